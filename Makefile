@@ -1,0 +1,35 @@
+# Each target creates .venv and installs the pinned requirements on first use.
+#   make demo   run the whole series on the tiny preset into runs/run_<n>_<device>_x<count>/ and print the table
+#   make test   run the test suite (the command CI runs)
+#   make lab    open the notebooks in JupyterLab
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test lab install clean-venv
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and alone: nothing installed after it may replace it with a newer build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+demo: install
+	$(PY) -m my_utils demo
+
+test: install
+	$(PY) -m pytest
+
+lab: install
+	$(VENV)/bin/jupyter lab notebooks/
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,32 @@
+"""``python -m my_utils <command>``: demo, compare, env (and more as lessons land). ``--help`` lists them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {
+        "demo": ("run every notebook on the tiny preset into a new results folder", "my_utils.demo"),
+        "compare": ("tables from results folders", "my_utils.compare"),
+        "env": ("devices, versions and the accelerate config in use", "my_utils.env"),
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        parser = argparse.ArgumentParser(prog="python -m my_utils",
+                                         description="The course's command line. Commands:\n" + "\n".join(
+                                             f"  {name:<9} {text}" for name, (text, _) in commands.items()),
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("command", choices=commands)
+        parser.parse_args(argv[:1])
+    from importlib import import_module
+
+    from my_utils.cli import run_main
+
+    module = import_module(commands[argv[0]][1])
+    run_main(lambda: module.main(argv[1:]), prefix=f"my_utils {argv[0]}")
+
+
+if __name__ == "__main__":
+    main()

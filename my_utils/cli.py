@@ -1,0 +1,29 @@
+"""Command-line plumbing shared by the workflows and ``python -m my_utils``: bad input becomes one sentence
+on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import sys
+
+from my_utils import UserError
+
+
+def format_summary(summary: dict) -> str:
+    """A two-column text table of a summary's scalar entries."""
+    rows = [(k, v) for k, v in summary.items() if not isinstance(v, (list, dict))]
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"{k:<{width}}  {f'{v:.4g}' if isinstance(v, float) else v}" for k, v in rows)
+
+
+def run_main(body, prefix: str = "my_utils"):
+    """Run ``body()``; print its summary on rank 0; turn UserError into a one-line message and exit 2."""
+    from my_utils.printing import print0
+
+    try:
+        summary = body()
+    except UserError as e:
+        print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if isinstance(summary, dict):
+        print0(format_summary(summary))
+    return summary

@@ -1,0 +1,166 @@
+"""Datasets for the course: the shipped tiny data, the real hub loaders, prompt formatting and tokenization.
+
+Instruction data uses the Alpaca schema (``instruction``, ``input``, ``output``); classification data uses
+(``text``, ``label``). Every loader validates its rows so that a bad file stops with one clear sentence.
+
+Run ``python -m my_utils.data`` to print a few formatted examples of the tiny data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from my_utils import UserError
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TINY_DATA = ASSETS / "tiny" / "data"
+
+INSTRUCTION_COLUMNS = ("instruction", "input", "output")
+CLASSIFICATION_COLUMNS = ("text", "label")
+
+# The Alpaca template without its one-sentence preamble (which costs tokens and teaches nothing).
+PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+def format_prompt(row: dict) -> str:
+    """The prompt for one Alpaca-style row, ending where the model's response starts."""
+    if row.get("input"):
+        return PROMPT_WITH_INPUT.format(instruction=row["instruction"], input=row["input"])
+    return PROMPT_NO_INPUT.format(instruction=row["instruction"])
+
+
+def format_example(row: dict, eos_token: str = "") -> str:
+    """Prompt plus response (plus the end-of-sequence token), the text a causal LM is trained on."""
+    return format_prompt(row) + row["output"] + eos_token
+
+
+def read_jsonl(path: str | Path, columns: tuple[str, ...]) -> list[dict]:
+    """Read a JSON-lines file and check that every row has ``columns``; raise UserError otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"Data file {path} does not exist; check the path or run `python scripts/make_tiny_data.py`.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"Data file {path} is not UTF-8 (byte {e.start}); re-save it as UTF-8.") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise UserError(f"Line {number} of {path} is not valid JSON; fix or remove that line.") from None
+        missing = [c for c in columns if c not in row]
+        if missing:
+            raise UserError(
+                f"Line {number} of {path} has no column {missing[0]!r}; every row needs {', '.join(columns)}."
+            )
+        rows.append(row)
+    if not rows:
+        raise UserError(f"Data file {path} is empty; give it at least one row with {', '.join(columns)}.")
+    return rows
+
+
+# Hub datasets of the real presets: (dataset id, column renames into our schema).
+HUB_INSTRUCTIONS = {
+    "alpaca": ("tatsu-lab/alpaca", {}),
+    "codealpaca": ("sahil2801/CodeAlpaca-20k", {}),
+}
+HUB_CLASSIFICATION = {"sst2": ("stanfordnlp/sst2", {"sentence": "text"})}
+
+
+def _hub_rows(dataset_id: str, renames: dict, columns: tuple[str, ...], eval_rows: int, seed: int):
+    """Load a hub dataset's train split and cut a held-out eval split from it (online only)."""
+    from datasets import load_dataset
+
+    ds = load_dataset(dataset_id, split="train")
+    for old, new in renames.items():
+        ds = ds.rename_column(old, new)
+    missing = [c for c in columns if c not in ds.column_names]
+    if missing:
+        raise UserError(f"Dataset {dataset_id} has no column {missing[0]!r}; it needs {', '.join(columns)}.")
+    split = ds.train_test_split(test_size=eval_rows, seed=seed)
+    return [dict(r) for r in split["train"]], [dict(r) for r in split["test"]]
+
+
+def load_instructions(source: str, *, eval_rows: int = 200, seed: int = 0, path: str | None = None):
+    """(train_rows, eval_rows) of Alpaca-style data: 'tiny' (shipped), 'alpaca' or 'codealpaca' (hub),
+    or a JSON-lines file given by ``path``."""
+    if path is not None:
+        rows = read_jsonl(path, INSTRUCTION_COLUMNS)
+        cut = max(1, min(eval_rows, len(rows) // 10))
+        return rows[cut:], rows[:cut]
+    if source == "tiny":
+        return (
+            read_jsonl(TINY_DATA / "instructions_train.jsonl", INSTRUCTION_COLUMNS),
+            read_jsonl(TINY_DATA / "instructions_eval.jsonl", INSTRUCTION_COLUMNS)[:eval_rows],
+        )
+    if source not in HUB_INSTRUCTIONS:
+        raise UserError(f"Unknown instruction data {source!r}; choose tiny, {', '.join(HUB_INSTRUCTIONS)}.")
+    return _hub_rows(*HUB_INSTRUCTIONS[source], INSTRUCTION_COLUMNS, eval_rows, seed)
+
+
+def load_classification(source: str, *, eval_rows: int = 300, seed: int = 0):
+    """(train_rows, eval_rows, label_names) of (text, label) data: 'tiny' (shipped) or 'sst2' (hub)."""
+    if source == "tiny":
+        labels = json.loads((TINY_DATA / "classification_labels.json").read_text(encoding="utf-8"))
+        return (
+            read_jsonl(TINY_DATA / "classification_train.jsonl", CLASSIFICATION_COLUMNS),
+            read_jsonl(TINY_DATA / "classification_eval.jsonl", CLASSIFICATION_COLUMNS)[:eval_rows],
+            labels,
+        )
+    if source not in HUB_CLASSIFICATION:
+        raise UserError(f"Unknown classification data {source!r}; choose tiny or {', '.join(HUB_CLASSIFICATION)}.")
+    train, evaluation = _hub_rows(*HUB_CLASSIFICATION[source], CLASSIFICATION_COLUMNS, eval_rows, seed)
+    return train, evaluation, ["negative", "positive"]
+
+
+def tokenize_instruction(row: dict, tokenizer, max_length: int) -> dict:
+    """Token ids of prompt + response + eos, with labels -100 on the prompt so that only the response is
+    learned. Raises UserError when the prompt alone does not fit ``max_length``."""
+    prompt_ids = tokenizer(format_prompt(row), add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(row["output"] + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    if len(prompt_ids) >= max_length:
+        raise UserError(
+            f"A prompt of {len(prompt_ids)} tokens does not fit max_length {max_length}; raise --max-length "
+            "or shorten the data."
+        )
+    ids = (prompt_ids + answer_ids)[:max_length]
+    labels = ([-100] * len(prompt_ids) + answer_ids)[:max_length]
+    return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
+
+
+def tokenize_instructions(rows, tokenizer, max_length: int) -> list[dict]:
+    """``tokenize_instruction`` over rows, after checking max_length against the model's limit."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    if limit and limit < 10**9 and max_length > limit:
+        raise UserError(f"max_length {max_length} is longer than the model allows ({limit}); use --max-length {limit}.")
+    if not rows:
+        raise UserError("The dataset is empty; give it at least one row.")
+    return [tokenize_instruction(r, tokenizer, max_length) for r in rows]
+
+
+def check_enough_rows(n_rows: int, global_batch: int) -> None:
+    """A dataset smaller than one global batch cannot make a single step."""
+    if n_rows < global_batch:
+        raise UserError(
+            f"The dataset has {n_rows} rows, fewer than one global batch of {global_batch}; "
+            "lower --batch-size or the number of processes, or add data."
+        )
+
+
+def padding_collator(tokenizer):
+    """Pads input_ids with the pad token and labels with -100, per batch (dynamic padding)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
+
+
+if __name__ == "__main__":
+    train, evaluation = load_instructions("tiny")
+    print(f"tiny instruction data: {len(train)} train rows, {len(evaluation)} eval rows\n")
+    for row in train[:3]:
+        print(format_example(row) + "\n" + "-" * 40)

@@ -1,0 +1,86 @@
+"""The main job: run the whole series on the tiny preset by executing every notebook into a new results
+folder ``runs/run_<n>_<device>_x<count>/``, then print the comparison table.
+
+    python -m my_utils demo                 # all notebooks
+    python -m my_utils demo --only 00 04    # some of them
+
+The folder holds each executed notebook (with its outputs) and every experiment's results folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from my_utils import UserError
+from my_utils.runs import REPO_ROOT, Run, next_run_root
+
+NOTEBOOKS = REPO_ROOT / "notebooks"
+
+
+def notebooks(only=None) -> list[Path]:
+    found = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    if only:
+        found = [nb for nb in found if nb.name[:2] in only]
+        if not found:
+            raise UserError(f"No notebook matches {' '.join(only)}; use two-digit numbers such as 00 04.")
+    return found
+
+
+def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 1200) -> float:
+    """Execute one notebook with COURSE_RUN_ROOT set, save it with its outputs; returns seconds taken.
+    A failing cell raises, after the partly executed notebook is saved for inspection."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    previous = os.environ.get("COURSE_RUN_ROOT")
+    os.environ["COURSE_RUN_ROOT"] = str(run_root)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
+    started = time.perf_counter()
+    try:
+        client.execute()
+    finally:
+        nbformat.write(nb, out_path)
+        if previous is None:
+            os.environ.pop("COURSE_RUN_ROOT", None)
+        else:
+            os.environ["COURSE_RUN_ROOT"] = previous
+    return time.perf_counter() - started
+
+
+def main(argv=None) -> Path:
+    from tqdm import tqdm
+
+    from my_utils.compare import overview
+    from my_utils.devices import device_kind, usable_cores
+
+    p = argparse.ArgumentParser(prog="python -m my_utils demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", help="two-digit numbers of the notebooks to run (default: all)")
+    p.add_argument("--processes", type=int, default=2, help="processes for the multi-process lessons")
+    args = p.parse_args(argv)
+
+    selected = notebooks(args.only)
+    count = args.processes if device_kind() == "cpu" else __import__("torch").cuda.device_count()
+    root = next_run_root(device_kind(), min(count, usable_cores()) if device_kind() == "cpu" else count)
+    root.mkdir(parents=True)
+    record = Run.create(root / "demo", config={"notebooks": [nb.name for nb in selected]})
+    print(f"Running {len(selected)} notebook(s) on the tiny preset into {root.relative_to(REPO_ROOT)}/", flush=True)
+    timings = {}
+    try:
+        for nb in (bar := tqdm(selected, unit="notebook", file=sys.stdout)):
+            bar.set_description(nb.stem)
+            timings[nb.name] = execute_notebook(nb, root / nb.name, root)
+    except BaseException as e:
+        record.fail(f"{type(e).__name__} in {nb.name}: {str(e)[-500:]}")
+        print(f"\n{nb.name} failed; the partly executed notebook is in {root / nb.name}", file=sys.stderr)
+        raise SystemExit(1) from None
+    record.finish({"notebook_seconds": timings, "total_seconds": sum(timings.values())})
+    print()
+    print(overview(root, root=root))
+    print(f"\nDone in {sum(timings.values()):.0f} s. Results: {root.relative_to(REPO_ROOT)}/")
+    return root

@@ -1,0 +1,182 @@
+"""Launching one training function on one or several processes: from a notebook (``notebook_launcher``)
+or from a shell (``accelerate launch`` / ``torchrun``), with the checks that catch the usual traps first.
+
+Traps caught here, each with one sentence before anything starts:
+- on a CPU-only machine accelerate starts N unsynchronised single-process copies unless told to use the
+  CPU: we set ``ACCELERATE_USE_CPU=1``, and every worker checks the world size it sees (``check_world_size``);
+- CUDA initialised, or bitsandbytes / peft / the Trainer imported, in the notebook before the launch;
+- more processes than devices (GPUs, or cores on a CPU);
+- a port already taken (a free one is picked).
+
+    from my_utils.launch import launch, accelerate_command
+    launch(train, cfg, num_processes=2)            # in a notebook
+    accelerate_command("my_utils.workflows.lora", ["--preset", "tiny"], config_file="configs/cpu_x2.yaml")
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from my_utils import UserError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Modules that initialise a device or import bitsandbytes when imported; they must stay inside the function.
+LAUNCH_UNSAFE_MODULES = ("bitsandbytes", "peft", "trl", "transformers.trainer")
+
+
+def is_cpu_only() -> bool:
+    from my_utils.devices import cuda_available
+
+    return not cuda_available()
+
+
+def max_processes() -> int:
+    """How many processes this machine can usefully run: its GPUs, or its CPU cores without GPUs."""
+    from my_utils.devices import usable_cores
+
+    if is_cpu_only():
+        return usable_cores()
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def check_process_count(num_processes) -> None:
+    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+        raise UserError(f"The number of processes must be a positive integer, got {num_processes!r}.")
+    available = max_processes()
+    if num_processes > available:
+        what = "CPU cores" if is_cpu_only() else "GPUs"
+        raise UserError(
+            f"{num_processes} processes asked for but this machine has {available} {what}; "
+            f"use num_processes <= {available}."
+        )
+
+
+def preflight(num_processes: int) -> None:
+    """Checks before ``notebook_launcher`` forks workers; each failure is one clear sentence."""
+    check_process_count(num_processes)
+    if num_processes == 1:
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise UserError(
+            "CUDA was already initialised in this notebook, so forked workers cannot use it; restart the kernel "
+            "and keep every .cuda()/.to('cuda') call inside the launched function."
+        )
+    imported = [m for m in LAUNCH_UNSAFE_MODULES if m in sys.modules]
+    if imported:
+        raise UserError(
+            f"{imported[0]} is already imported in this notebook, which stops notebook_launcher from starting "
+            "several processes; restart the kernel and import it inside the launched function."
+        )
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None and accelerate_state.AcceleratorState._shared_state:
+        raise UserError(
+            "An Accelerator already exists in this notebook; restart the kernel and create it only inside the "
+            "launched function."
+        )
+
+
+def free_port(preferred: int = 29500) -> int:
+    """``preferred`` if nothing listens on it, else a free port chosen by the OS."""
+    for port in (preferred, 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return s.getsockname()[1]
+            except OSError:
+                continue
+    raise OSError("no free port")
+
+
+def launch(function, *args, num_processes: int = 1, port: int | None = None):
+    """Run ``function(*args)`` on ``num_processes`` processes from a notebook (or directly for one).
+
+    On a CPU-only machine the workers use gloo (``ACCELERATE_USE_CPU=1``); each should call
+    ``check_world_size(num_processes)`` first.
+    """
+    preflight(num_processes)
+    if num_processes == 1:
+        return function(*args)
+    from accelerate import notebook_launcher
+
+    previous = os.environ.get("ACCELERATE_USE_CPU")
+    if is_cpu_only():
+        os.environ["ACCELERATE_USE_CPU"] = "1"
+    try:
+        return notebook_launcher(function, args=args, num_processes=num_processes, use_port=str(port or free_port()))
+    finally:
+        if previous is None:
+            os.environ.pop("ACCELERATE_USE_CPU", None)
+        else:
+            os.environ["ACCELERATE_USE_CPU"] = previous
+
+
+def check_world_size(expected: int | None = None) -> int:
+    """Inside a worker: the world size this process really belongs to, checked against what was asked.
+
+    ``expected`` defaults to WORLD_SIZE set by the launcher. A mismatch means the launcher started
+    unsynchronised copies (the CPU trap) and training would silently not be data parallel.
+    """
+    from accelerate import PartialState
+
+    state = PartialState(cpu=is_cpu_only())
+    expected = int(os.environ.get("WORLD_SIZE", "1")) if expected is None else expected
+    if state.num_processes != expected:
+        raise RuntimeError(
+            f"This worker sees a world of {state.num_processes} process(es) but {expected} were asked for; "
+            "on a CPU launch with ACCELERATE_USE_CPU=1 or a config with use_cpu: true (configs/cpu_x2.yaml)."
+        )
+    return state.num_processes
+
+
+def default_config_file(num_processes: int) -> Path:
+    """The shipped accelerate config for this machine and process count."""
+    if is_cpu_only():
+        return REPO_ROOT / "configs" / ("cpu_x2.yaml" if num_processes > 1 else "cpu_x1.yaml")
+    return REPO_ROOT / "configs" / ("multi_gpu.yaml" if num_processes > 1 else "single_gpu.yaml")
+
+
+def accelerate_command(module: str, args: list[str], *, num_processes: int = 1, config_file=None,
+                       port: int | None = None) -> list[str]:
+    """The ``accelerate launch --config_file ... -m module args`` command line, as a list."""
+    config_file = Path(config_file) if config_file else default_config_file(num_processes)
+    return [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(config_file),
+        "--num_processes", str(num_processes),
+        "--main_process_port", str(port or free_port()),
+        "-m", module, *map(str, args),
+    ]
+
+
+def clean_env(**extra) -> dict:
+    """The environment for a launched job: offline mode kept, a stray user accelerate config ignored."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONPATH", str(REPO_ROOT))
+    if is_cpu_only():
+        env["ACCELERATE_USE_CPU"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_command(cmd: list[str], *, env: dict | None = None, echo: bool = True) -> subprocess.CompletedProcess:
+    """Run a launch command in a fresh process, streaming its output; raise if it fails."""
+    if echo:
+        print("$", " ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd)), flush=True)
+    proc = subprocess.Popen(cmd, env=env or clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        print(line, end="", flush=True)
+    proc.wait()
+    if proc.returncode != 0:
+        tail = "".join(lines[-5:]).strip()
+        raise RuntimeError(f"Command failed with exit code {proc.returncode}: {tail}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")

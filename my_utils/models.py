@@ -1,0 +1,173 @@
+"""Model building: full fine-tuning, LoRA and QLoRA from one function, with peft and bitsandbytes imported
+inside the functions that need them (so ``import my_utils`` stays light and launch-safe).
+
+LoRA to QLoRA is one argument: ``build_causal_lm(preset, quantize="4bit")``.
+
+    from my_utils.models import build_causal_lm, add_lora, count_parameters
+    model = add_lora(build_causal_lm(get_preset("tiny")), rank=8)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from my_utils import UserError
+from my_utils.presets import Preset
+
+QUANTIZE_CHOICES = ("none", "8bit", "4bit")
+
+
+def _local(model_id: str) -> bool:
+    return Path(model_id).is_dir()
+
+
+def load_tokenizer(preset: Preset, role: str = "causal"):
+    """The preset's tokenizer, with a pad token (GPT-2-style tokenizers have none: eos is reused)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(preset.require(role))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def quantization_config(quantize: str, compute_dtype=None):
+    """A BitsAndBytesConfig for '8bit' or '4bit' (NF4, double quantization), or None for 'none'."""
+    if quantize not in QUANTIZE_CHOICES:
+        raise UserError(f"Unknown quantization {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}.")
+    if quantize == "none":
+        return None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",  # NormalFloat4: quantiles of a normal distribution, suited to weights
+        bnb_4bit_use_double_quant=True,  # quantize the quantization constants too (~0.4 bit/param saved)
+        bnb_4bit_compute_dtype=compute_dtype or torch.float32,
+    )
+
+
+def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str = "none", device_map=None, dtype=None):
+    """The preset's causal LM: pretrained weights, or random weights from the shipped config (offline).
+
+    ``quantize`` loads weights in 8-bit or 4-bit NF4 through bitsandbytes (QLoRA); quantized weights must be
+    placed at load time, so pass ``device_map=per_rank_device_map()`` under several processes.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    qconfig = quantization_config(quantize)
+    model_id = preset.require("causal")
+    if random_init:
+        config = AutoConfig.from_pretrained(preset.offline_config["causal"])
+        if qconfig is not None:
+            raise UserError("Quantization needs pretrained weights; drop --random-init or use --quantize none.")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return model
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    if qconfig is not None:
+        kwargs["quantization_config"] = qconfig
+        kwargs["device_map"] = device_map or {"": "cpu"}
+    elif device_map is not None:
+        kwargs["device_map"] = device_map
+    return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+
+
+def build_classifier(preset: Preset, num_labels: int, *, random_init: bool = False, dtype=None):
+    """The preset's encoder with a fresh classification head of ``num_labels`` classes."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    if random_init:
+        config = AutoConfig.from_pretrained(preset.offline_config["classifier"], num_labels=num_labels)
+        return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    return AutoModelForSequenceClassification.from_pretrained(
+        preset.require("classifier"), num_labels=num_labels, **kwargs
+    )
+
+
+def check_lora_args(rank, alpha=None) -> None:
+    """Reject a rank or alpha that is not a positive integer/number, in one sentence."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise UserError(f"LoRA rank must be a positive integer, got {rank!r}; try --rank 8.")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+        raise UserError(f"LoRA alpha must be a positive number, got {alpha!r}; a common choice is twice the rank.")
+
+
+def add_lora(model, rank: int = 8, alpha: float | None = None, targets=("c_attn",), dropout: float = 0.0,
+             task_type: str = "CAUSAL_LM", modules_to_save=None):
+    """Wrap ``model`` with LoRA adapters (peft) on the modules named ``targets``; alpha defaults to 2 x rank.
+
+    A quantized model is first prepared for k-bit training (frozen base, fp32 norms, input gradients).
+    """
+    check_lora_args(rank, alpha)
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        linear_like = sorted(n for n in names if n and not n.isdigit())[:12]
+        raise UserError(
+            f"LoRA target module {missing[0]!r} matches nothing in {type(model).__name__}; "
+            f"pick from its module names, e.g. {', '.join(linear_like)}."
+        )
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        target_modules=list(targets),
+        lora_dropout=dropout,
+        bias="none",
+        task_type=task_type,
+        modules_to_save=modules_to_save,
+    )
+    return get_peft_model(model, config)
+
+
+def count_parameters(model) -> dict:
+    """Trainable and total parameter counts (a 4-bit parameter is counted once, as one parameter)."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        # bitsandbytes packs two 4-bit values per uint8 element
+        if p.__class__.__name__ == "Params4bit":
+            n *= 2
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return {"trainable": trainable, "total": total, "trainable_fraction": trainable / total if total else 0.0}
+
+
+def folder_size(path: str | Path) -> int:
+    """Bytes on disk of every file under ``path`` (e.g. a saved adapter)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def save_model(model, path: str | Path, tokenizer=None) -> int:
+    """Save weights as safetensors (adapter only for a peft model); returns bytes written."""
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return folder_size(path)
+
+
+def weights_bytes(model) -> int:
+    """Bytes held by the model's parameters and buffers, as stored (quantized weights count as stored)."""
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def set_threads(n: int | None = None) -> int:
+    """Use ``n`` intra-op threads (default: OMP_NUM_THREADS, else all usable cores divided by local world size)."""
+    import torch
+
+    from my_utils.devices import usable_cores
+
+    if n is None:
+        env = os.environ.get("OMP_NUM_THREADS")
+        n = int(env) if env else max(1, usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    torch.set_num_threads(n)
+    return n

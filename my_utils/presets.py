@@ -1,0 +1,112 @@
+"""Named model + data presets. Change one name to move a lesson from a laptop CPU to GPUs.
+
+| preset          | causal LM              | classifier     | data                       |
+| --------------- | ---------------------- | -------------- | -------------------------- |
+| `tiny`          | assets/tiny/causal_lm  | assets/tiny/encoder | shipped synthetic data (offline) |
+| `gpt2`          | gpt2                   | -              | alpaca-style instructions  |
+| `opt-350m`      | facebook/opt-350m      | -              | CodeAlpaca-20k, max_length 128 |
+| `roberta-large` | -                      | roberta-large  | a sentence classification set |
+
+Real presets load from the hub when online; each ships its ``config.json`` under ``assets/configs/`` so its
+architecture can be built offline with random weights (parameter counts, memory, speed).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from my_utils import UserError
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    causal_model: str | None  # hub id or local folder of the causal LM
+    classifier_model: str | None  # hub id or local folder of the encoder for classification
+    offline_config: dict = field(default_factory=dict)  # role -> folder with config.json, for random-weight builds
+    instruction_data: str | None = None  # "tiny", "alpaca" or "codealpaca"
+    classification_data: str | None = None  # "tiny" or "sst2"
+    max_length: int = 128
+    lora_targets: tuple[str, ...] = ()
+    classifier_lora_targets: tuple[str, ...] = ()
+    # Training defaults that fit the preset's hardware; every one can be overridden on the command line.
+    batch_size: int = 8
+    learning_rate: float = 2e-4
+    max_steps: int = 100
+    offline: bool = False  # everything ships in assets/
+
+    def require(self, role: str) -> str:
+        """The model id for ``role`` ('causal' or 'classifier'), or a clear error if this preset has none."""
+        model = self.causal_model if role == "causal" else self.classifier_model
+        if model is None:
+            have = [n for n, p in PRESETS.items() if (p.causal_model if role == "causal" else p.classifier_model)]
+            raise UserError(f"Preset {self.name!r} has no {role} model; use one of {', '.join(have)}.")
+        return model
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        name="tiny",
+        causal_model=str(ASSETS / "tiny" / "causal_lm"),
+        classifier_model=str(ASSETS / "tiny" / "encoder"),
+        offline_config={"causal": str(ASSETS / "tiny" / "causal_lm"), "classifier": str(ASSETS / "tiny" / "encoder")},
+        instruction_data="tiny",
+        classification_data="tiny",
+        max_length=128,
+        lora_targets=("c_attn", "c_proj", "c_fc"),
+        classifier_lora_targets=("query", "value"),
+        batch_size=16,
+        learning_rate=2e-3,
+        max_steps=150,
+        offline=True,
+    ),
+    "gpt2": Preset(
+        name="gpt2",
+        causal_model="gpt2",
+        classifier_model=None,
+        offline_config={"causal": str(ASSETS / "configs" / "gpt2")},
+        instruction_data="alpaca",
+        max_length=256,
+        lora_targets=("c_attn",),
+        batch_size=8,
+        learning_rate=2e-4,
+        max_steps=500,
+    ),
+    "opt-350m": Preset(
+        name="opt-350m",
+        causal_model="facebook/opt-350m",
+        classifier_model=None,
+        offline_config={"causal": str(ASSETS / "configs" / "opt-350m")},
+        instruction_data="codealpaca",
+        max_length=128,
+        lora_targets=("q_proj", "v_proj"),
+        batch_size=16,
+        learning_rate=2e-4,
+        max_steps=500,
+    ),
+    "roberta-large": Preset(
+        name="roberta-large",
+        causal_model=None,
+        classifier_model="roberta-large",
+        offline_config={"classifier": str(ASSETS / "configs" / "roberta-large")},
+        classification_data="sst2",
+        max_length=128,
+        classifier_lora_targets=("query", "value"),
+        batch_size=16,
+        learning_rate=2e-5,
+        max_steps=500,
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called ``name``; an unknown name raises UserError naming the closest one."""
+    if name in PRESETS:
+        return PRESETS[name]
+    close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.3)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise UserError(f"Unknown preset {name!r}; {hint}choose one of {', '.join(PRESETS)}.")

@@ -1,0 +1,207 @@
+"""Results folders: one self-describing folder per run, written by rank 0, never overwritten.
+
+    runs/run_3_cpu_x2/05_lora_ddp/
+        run.json        what ran: command, config, git commit (+ dirty flag), library versions, devices,
+                        world size and backend seen in the worker, timestamps, status
+        metrics.jsonl   one JSON object per logged step
+        summary.json    final figures: loss, quality, runtime, throughput, peak memory per rank, parameters
+        *.png           plots
+
+Every file is written atomically (temporary file, then rename), so a crash leaves the previous version or
+nothing, never half a file. ``status`` is one of running / complete / failed / interrupted; comparisons read
+only complete runs.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from my_utils import UserError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUNS_ROOT = REPO_ROOT / "runs"
+STATUSES = ("running", "complete", "failed", "interrupted")
+LIBRARIES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "datasets", "tokenizers")
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and an atomic rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_json(path: str | Path):
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def git_state() -> dict:
+    """The commit of the course repository and whether its tracked files have uncommitted changes."""
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"commit": None, "dirty": None}
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip() != ""
+        return {"commit": head.stdout.strip(), "dirty": dirty}
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+
+
+def library_versions() -> dict:
+    """Versions of Python and the course's libraries, read from package metadata (nothing is imported)."""
+    from importlib import metadata
+
+    versions = {"python": sys.version.split()[0]}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def check_new_run_dir(path: str | Path) -> Path:
+    """Preflight: refuse a results folder that already exists, before anything starts."""
+    path = Path(path)
+    if path.exists():
+        raise UserError(
+            f"Results folder {path} already exists and is never overwritten; choose another --output-dir or delete it."
+        )
+    return path
+
+
+def next_run_root(device: str, count: int, root: str | Path = RUNS_ROOT) -> Path:
+    """The next free ``runs/run_<n>_<device>_x<count>`` folder name (not created)."""
+    root = Path(root)
+    taken = [int(m.group(1)) for p in root.glob("run_*") if (m := re.match(r"run_(\d+)_", p.name))]
+    return root / f"run_{max(taken, default=0) + 1}_{device}_x{count}"
+
+
+def unique_dir(path: str | Path) -> Path:
+    """``path`` if free, else ``path_2``, ``path_3``...: for notebooks re-run by hand."""
+    path = Path(path)
+    candidate, n = path, 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}_{n}")
+    return candidate
+
+
+class Run:
+    """A results folder being written. Create it on rank 0 only."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, path: str | Path, *, config: dict, command: list[str] | None = None, **fields) -> "Run":
+        """Create the folder (it must not exist) and write run.json with status 'running'."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir()
+        except FileExistsError:
+            check_new_run_dir(path)
+        run = cls(path)
+        info = {
+            "status": "running",
+            "command": command if command is not None else [os.path.basename(sys.argv[0]), *sys.argv[1:]],
+            "config": config,
+            **git_state(),
+            "versions": library_versions(),
+            "started": now(),
+            "finished": None,
+            **fields,
+        }
+        atomic_write_json(path / "run.json", info)
+        return run
+
+    @property
+    def info(self) -> dict:
+        return read_json(self.path / "run.json")
+
+    def update(self, **fields) -> None:
+        """Merge ``fields`` into run.json (atomically)."""
+        atomic_write_json(self.path / "run.json", {**self.info, **fields})
+
+    def log_metrics(self, record: dict) -> None:
+        """Append one line to metrics.jsonl (one write per line, so a crash loses at most that line)."""
+        with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def finish(self, summary: dict) -> None:
+        """Write summary.json, then mark the run complete: a complete run always has its summary."""
+        atomic_write_json(self.path / "summary.json", summary)
+        self.update(status="complete", finished=now())
+
+    def fail(self, error: str, status: str = "failed") -> None:
+        self.update(status=status, finished=now(), error=error)
+
+
+def is_run_dir(path: str | Path) -> bool:
+    return (Path(path) / "run.json").is_file()
+
+
+def find_run_dirs(*paths: str | Path) -> list[Path]:
+    """Every results folder at or below ``paths`` (a folder with a run.json), sorted."""
+    found = set()
+    for p in map(Path, paths):
+        if is_run_dir(p):
+            found.add(p)
+        if p.is_dir():
+            found.update(q.parent for q in p.rglob("run.json"))
+    return sorted(found)
+
+
+def load_run(path: str | Path) -> dict:
+    """run.json, summary.json (or None) and the metrics rows of one folder, plus its path."""
+    path = Path(path)
+    summary = path / "summary.json"
+    metrics = path / "metrics.jsonl"
+    rows = []
+    if metrics.is_file():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a line cut by a crash
+                continue
+    return {
+        "path": str(path),
+        "run": read_json(path / "run.json"),
+        "summary": read_json(summary) if summary.is_file() else None,
+        "metrics": rows,
+    }
+
+
+def lesson_dir(lesson: str) -> Path:
+    """Where a notebook writes its experiments: ``$COURSE_RUN_ROOT/<lesson>`` when the demo runs it, else
+    ``runs/notebooks/<lesson>`` (``_2``, ``_3``... when run again by hand, so nothing is overwritten)."""
+    root = Path(os.environ.get("COURSE_RUN_ROOT") or RUNS_ROOT / "notebooks")
+    return unique_dir(root / lesson)

@@ -1,0 +1,59 @@
+import sys
+
+import pytest
+
+from my_utils import UserError, launch
+from my_utils.devices import check_device_map, per_rank_device_map
+
+
+def test_more_processes_than_cores_is_refused(monkeypatch):
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    with pytest.raises(UserError, match="3 processes asked for but this machine has 2"):
+        launch.check_process_count(3)
+    for bad in (0, -1, "2", 1.5):
+        with pytest.raises(UserError, match="positive integer"):
+            launch.check_process_count(bad)
+
+
+def test_preflight_refuses_launch_unsafe_imports(monkeypatch):
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", object())
+    with pytest.raises(UserError, match="bitsandbytes is already imported"):
+        launch.preflight(2)
+    launch.preflight(1)  # one process runs in-process: nothing to protect
+
+
+def test_free_port_skips_a_taken_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        assert launch.free_port(taken) != taken
+
+
+def test_accelerate_command_uses_config_and_module(tmp_path):
+    cmd = launch.accelerate_command("my_utils.workflows.lora", ["--preset", "tiny"], num_processes=2, port=1234)
+    assert cmd[1:3] == ["-m", "accelerate.commands.launch"]
+    assert cmd[cmd.index("--config_file") + 1].endswith("cpu_x2.yaml")
+    assert cmd[cmd.index("--num_processes") + 1] == "2"
+    assert cmd[-4:] == ["-m", "my_utils.workflows.lora", "--preset", "tiny"]
+
+
+def test_device_maps():
+    assert per_rank_device_map(1) == {"": "cpu"}  # no CUDA here
+    check_device_map({"": "cpu"}, world_size=2)
+    check_device_map("auto", world_size=1)
+    with pytest.raises(UserError, match="per_rank_device_map"):
+        check_device_map("auto", world_size=2)
+
+
+def test_lr_scaling():
+    from my_utils.training import scale_learning_rate
+
+    assert scale_learning_rate(1e-3, 32, 16, "none") == 1e-3
+    assert scale_learning_rate(1e-3, 32, 16, "linear") == pytest.approx(2e-3)
+    assert scale_learning_rate(1e-3, 64, 16, "sqrt") == pytest.approx(2e-3)
+    with pytest.raises(UserError, match="choose one of none, linear, sqrt"):
+        scale_learning_rate(1e-3, 32, 16, "cubic")
