@@ -1,91 +1,361 @@
-"""Compare results folders: tables (text and markdown) built only from complete runs.
+"""Compare results folders: tables (text or markdown) and plots, built only from complete runs.
 
-    python -m my_utils compare runs/run_1_cpu_x2
+    python -m my_utils compare runs/run_1_cpu_x2                    # tables in the terminal
+    python -m my_utils compare runs/run_1_cpu_x2 --markdown         # markdown tables, for the README
+    python -m my_utils compare runs/run_1_cpu_x2 runs/run_2_cuda_x4 --out comparison/   # + PNG plots
 
-Folders whose status is not 'complete' are listed as such and never enter a table.
+Only folders whose run.json says ``complete`` and that have a summary.json enter a table; the others (running,
+failed, interrupted, unreadable, no summary) are listed by name with their status. Runs whose library versions
+or git commit differ from the others are marked, because their figures are not strictly comparable.
+
+Speedup: runs that differ only by their number of processes (same workflow, hardware and configuration) form
+a group; each run's samples/s is divided by the group's 1-process samples/s and set against the ideal (the
+number of processes).
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from my_utils.memory import format_bytes
+from my_utils.memory import format_bytes, peak_bytes
 from my_utils.runs import find_run_dirs, load_run
 
-# (column title, summary key, formatter)
-COLUMNS = (
-    ("run", None, str),
-    ("method", "method", str),
-    ("procs", "world_size", str),
-    ("steps", "steps", str),
-    ("loss", "train_loss_final", lambda v: f"{v:.3f}"),
-    ("exact match", None, str),
-    ("runtime", "runtime_s", lambda v: f"{v:.1f} s"),
-    ("samples/s", "samples_per_s", lambda v: f"{v:.1f}"),
-    ("peak mem", "peak_memory_bytes", format_bytes),
-    ("trainable", "trainable_params", lambda v: f"{v:,}"),
-)
+# Configuration keys that do not make two runs different experiments: the process count is what a speedup
+# varies, and the output folder is where the run was written.
+NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir"})
+VERSIONS_MARK = "†"
+COMMIT_MARK = "‡"
+
+
+@dataclass
+class Table:
+    title: str
+    header: list[str]
+    rows: list[list[str]]
+    caption: str = ""
+
+
+@dataclass
+class Comparison:
+    """Everything ``compare`` reports: the complete runs with their labels, the tables, the speedup groups
+    (label -> [(processes, speedup)]), the runs left out with their reason, and notes on provenance."""
+
+    runs: list[dict]
+    labels: dict[str, str]
+    tables: list[Table]
+    speedup_groups: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    left_out: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------- loading
 
 
 def load_runs(*paths) -> tuple[list[dict], list[dict]]:
-    """(complete runs, other runs) found at or below ``paths``."""
+    """(complete runs, other runs) found at or below ``paths``; each other run carries ``reason``."""
     complete, other = [], []
     for d in find_run_dirs(*paths):
-        run = load_run(d)
-        (complete if run["run"].get("status") == "complete" and run["summary"] else other).append(run)
+        try:
+            run = load_run(d)
+        except (OSError, ValueError) as e:  # a run.json or summary.json that is not valid JSON
+            other.append({"path": str(d), "run": {}, "summary": None, "metrics": [],
+                          "reason": f"unreadable ({type(e).__name__})"})
+            continue
+        status = run["run"].get("status")
+        if status == "complete" and isinstance(run["summary"], dict) and run["summary"]:
+            complete.append(run)
+        else:
+            run["reason"] = status if status != "complete" else "complete, but no summary.json"
+            other.append(run)
     return complete, other
 
 
-def summary_rows(runs: list[dict], root: Path | None = None) -> list[list[str]]:
+def run_labels(runs: list[dict], root: Path | str | None = None) -> dict[str, str]:
+    """Short names for runs: paths relative to ``root``, or to the folder all of them share."""
+    paths = [Path(r["path"]).resolve() for r in runs]
+    if root is None and paths:
+        root = Path(os.path.commonpath([p.parent for p in paths]))
+    labels = {}
+    for run, p in zip(runs, paths):
+        try:
+            labels[run["path"]] = p.relative_to(Path(root).resolve()).as_posix() if root else str(p)
+        except ValueError:
+            labels[run["path"]] = run["path"]
+    return labels
+
+
+# ---------------------------------------------------------------------------------------------- provenance
+
+
+def _versions_key(run: dict) -> str:
+    return json.dumps(run["run"].get("versions") or {}, sort_keys=True)
+
+
+def provenance_marks(runs: list[dict], labels: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Marks for runs whose library versions or commit differ from the most common ones, and notes saying how."""
+    marks = {r["path"]: "" for r in runs}
+    notes = []
+    if not runs:
+        return marks, notes
+    common_versions = Counter(_versions_key(r) for r in runs).most_common(1)[0][0]
+    common_commit = Counter(r["run"].get("commit") for r in runs).most_common(1)[0][0]
+    reference = json.loads(common_versions)
+    for r in runs:
+        if _versions_key(r) != common_versions:
+            marks[r["path"]] += VERSIONS_MARK
+            mine = r["run"].get("versions") or {}
+            diff = ", ".join(f"{k} {mine.get(k)} (others {reference.get(k)})"
+                             for k in sorted(set(mine) | set(reference)) if mine.get(k) != reference.get(k))
+            notes.append(f"{VERSIONS_MARK} {labels[r['path']]}: other library versions: {diff}")
+        if r["run"].get("commit") != common_commit:
+            marks[r["path"]] += COMMIT_MARK
+            notes.append(f"{COMMIT_MARK} {labels[r['path']]}: other commit {str(r['run'].get('commit'))[:10]} "
+                         f"(others {str(common_commit)[:10]})")
+    dirty = [labels[r["path"]] for r in runs if r["run"].get("dirty")]
+    if dirty:
+        notes.append(f"made with uncommitted changes: {', '.join(dirty)}")
+    return marks, notes
+
+
+# ---------------------------------------------------------------------------------------------- grouping
+
+
+def hardware(run: dict) -> str:
+    """The device a run trained on, as named in run.json: the first GPU, else the CPU."""
+    devices = run["run"].get("devices") or []
+    gpus = [d.get("name") for d in devices if d.get("kind") == "cuda"]
+    cpus = [d.get("name") for d in devices if d.get("kind") == "cpu"]
+    return (gpus or cpus or ["unknown"])[0]
+
+
+def experiment_key(run: dict) -> str:
+    """What must match for two runs to differ only by their number of processes."""
+    config = {k: v for k, v in (run["run"].get("config") or {}).items() if k not in NOT_EXPERIMENT_KEYS}
+    s = run["summary"]
+    return json.dumps([s.get("workflow"), s.get("method"), hardware(run), config], sort_keys=True, default=str)
+
+
+def world_size(run: dict) -> int:
+    return int(run["summary"].get("world_size") or run["run"].get("world_size") or 1)
+
+
+def describe(run: dict) -> str:
+    """A short name for a group of runs: workflow, preset, method and LoRA rank."""
+    s = run["summary"]
+    parts = [s.get("workflow"), s.get("preset"), s.get("method")]
+    if s.get("rank"):
+        parts.append(f"r{s['rank']}")
+    parts.append(hardware(run).split(" @ ")[0])
+    return " ".join(str(p) for p in parts if p)
+
+
+def speedup_groups(runs: list[dict]) -> list[tuple[str, list[dict], float | None]]:
+    """Groups of runs that differ only by process count (two counts at least):
+    (name, runs sorted by processes, mean samples/s of the group's 1-process runs or None)."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        if r["summary"].get("samples_per_s"):
+            groups.setdefault(experiment_key(r), []).append(r)
+    result, names = [], Counter()
+    for members in groups.values():
+        if len({world_size(r) for r in members}) < 2:
+            continue
+        members.sort(key=world_size)
+        name = describe(members[0])
+        names[name] += 1
+        if names[name] > 1:
+            name = f"{name} #{names[name]}"
+        singles = [r["summary"]["samples_per_s"] for r in members if world_size(r) == 1]
+        result.append((name, members, sum(singles) / len(singles) if singles else None))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+
+def _num(value, fmt: str = "{:.3g}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _arrow(before, after, fmt: str = "{:.3f}") -> str:
+    if before is None and after is None:
+        return "-"
+    return f"{_num(before, fmt)} -> {_num(after, fmt)}"
+
+
+def _drop_empty_columns(table: Table) -> Table:
+    """Leave out columns that no run fills (other workflows report other figures)."""
+    keep = [i for i in range(len(table.header)) if i == 0 or any(r[i] != "-" for r in table.rows)]
+    return Table(table.title, [table.header[i] for i in keep], [[r[i] for i in keep] for r in table.rows], table.caption)
+
+
+def runs_table(runs, name) -> Table:
     rows = []
-    for run in runs:
-        s = run["summary"]
-        name = str(Path(run["path"]).relative_to(root)) if root else run["path"]
-        row = []
-        for title, key, fmt in COLUMNS:
-            if title == "run":
-                row.append(name)
-            elif title == "exact match":
-                b, a = s.get("exact_match_before"), s.get("exact_match_after")
-                row.append(f"{b:.2f} -> {a:.2f}" if b is not None and a is not None else "-")
-            else:
-                value = s.get(key)
-                row.append("-" if value is None else fmt(value))
-        rows.append(row)
-    return rows
+    for r in runs:
+        s = r["summary"]
+        rows.append([name(r), str(s.get("workflow") or "-"), str(s.get("method") or "-"), str(world_size(r)),
+                     _num(s.get("steps"), "{}"), _num(s.get("runtime_s"), "{:.1f} s"),
+                     _num(s.get("samples_per_s"), "{:.1f}"), _num(s.get("tokens_per_s"), "{:,.0f}"),
+                     format_bytes(s.get("peak_memory_bytes")), _num(s.get("trainable_params"), "{:,}"),
+                     _num(s.get("total_params"), "{:,}")])
+    return Table("Runs", ["run", "workflow", "method", "procs", "steps", "runtime", "samples/s", "tokens/s",
+                          "peak mem/device", "trainable", "total params"], rows)
+
+
+def speedup_table(groups, name) -> Table:
+    rows = []
+    for group, members, base in groups:
+        for r in members:
+            s, n = r["summary"], world_size(r)
+            speedup = s["samples_per_s"] / base if base else None
+            rows.append([group, name(r), str(n), f"{s['samples_per_s']:.1f}", _num(s.get("tokens_per_s"), "{:,.0f}"),
+                         _num(speedup, "{:.2f}x"), f"{n}x", _num(speedup / n if speedup else None, "{:.0%}")])
+    return Table("Speedup", ["group", "run", "procs", "samples/s", "tokens/s", "speedup", "ideal", "efficiency"], rows,
+                 "speedup = samples/s / samples/s of the group's 1-process run; efficiency = speedup / ideal")
+
+
+def memory_table(runs, name) -> Table:
+    rows = []
+    for r in runs:
+        for entry in r["summary"].get("memory") or []:
+            end = entry.get("end") or {}
+            first = entry.get("first_step") or {}
+            cuda = end.get("peak_allocated") is not None
+            parts = entry.get("breakdown") or {}
+            rows.append([name(r), str(world_size(r)), str(entry.get("rank")), str(end.get("device", "-")),
+                         "peak allocated" if cuda else "peak RSS", format_bytes(peak_bytes(end)),
+                         format_bytes(peak_bytes(first)) if first else "-", format_bytes(end.get("peak_reserved")),
+                         *(format_bytes(parts.get(k)) for k in ("weights", "gradients", "optimizer_states",
+                                                                "activations"))])
+    return Table("Memory per device", ["run", "procs", "rank", "device", "measure", "peak", "after step 1",
+                                       "peak reserved", "weights", "gradients", "optimizer", "activations"], rows,
+                 "CUDA: peak allocated by tensors; CPU: peak resident memory of the process (includes Python and "
+                 "torch); the parts are the run's own breakdown where it reports one")
+
+
+def batch_table(runs, name) -> Table:
+    rows = []
+    for r in runs:
+        s = r["summary"]
+        rows.append([name(r), str(world_size(r)), _num(s.get("batch_size_per_process"), "{}"),
+                     _num(s.get("grad_accum"), "{}"), _num(s.get("effective_batch"), "{}"),
+                     str(s.get("lr_scaling") or "-"), _num(s.get("learning_rate"), "{:.2e}")])
+    return Table("Batch and learning rate", ["run", "procs", "batch/process", "grad accum", "effective batch",
+                                             "lr scaling", "learning rate"], rows,
+                 "effective batch = batch/process x grad accum x processes")
+
+
+def quality_table(runs, name) -> Table:
+    rows = []
+    for r in runs:
+        s = r["summary"]
+        rows.append([name(r), _arrow(s.get("train_loss_first"), s.get("train_loss_final")), _num(s.get("eval_loss"), "{:.3f}"),
+                     _arrow(s.get("exact_match_before"), s.get("exact_match_after"), "{:.2f}"),
+                     _arrow(s.get("accuracy_before"), s.get("accuracy_after"), "{:.2f}"),
+                     format_bytes(s.get("adapter_bytes"))])
+    return Table("Quality", ["run", "train loss first -> final", "eval loss", "exact match before -> after",
+                             "accuracy before -> after", "adapter size"], rows)
+
+
+def compare(*paths, root: Path | str | None = None) -> Comparison:
+    """Load every results folder at or below ``paths`` and build the comparison tables."""
+    complete, other = load_runs(*paths)
+    labels = run_labels(complete + other, root)
+    marks, notes = provenance_marks(complete, labels)
+    name = lambda r: labels[r["path"]] + marks[r["path"]]  # noqa: E731
+    groups = speedup_groups(complete)
+    tables = [runs_table(complete, name)]
+    if groups:
+        tables.append(speedup_table(groups, name))
+    tables += [memory_table(complete, name), batch_table(complete, name), quality_table(complete, name)]
+    tables = [_drop_empty_columns(t) for t in tables if t.rows or t.title == "Runs"]
+    speedups = {g: [(world_size(r), r["summary"]["samples_per_s"] / base) for r in members]
+                for g, members, base in groups if base}
+    missing_base = [g for g, _, base in groups if not base]
+    if missing_base:
+        notes.append(f"no 1-process run to measure speedup against in: {', '.join(missing_base)}")
+    return Comparison(complete, labels, tables, speedups,
+                      [(labels[r["path"]], r["reason"]) for r in other], notes)
+
+
+# ---------------------------------------------------------------------------------------------- rendering
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    escape = lambda c: c.replace("|", "\\|")  # noqa: E731
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                      *("| " + " | ".join(r) + " |" for r in rows)])
+                      *("| " + " | ".join(map(escape, r)) + " |" for r in rows)])
 
 
-def overview(*paths, root: Path | None = None, markdown: bool = False) -> str:
-    """The table of every complete run under ``paths``, and a list of the incomplete ones."""
-    complete, other = load_runs(*paths)
-    header = [c[0] for c in COLUMNS]
-    table = (markdown_table if markdown else text_table)(header, summary_rows(complete, root))
-    notes = [f"not compared ({r['run'].get('status')}): {r['path']}" for r in other]
-    return "\n".join([table, *notes])
+def render(comparison: Comparison, markdown: bool = False, images: dict[str, str] | None = None) -> str:
+    """The comparison as text (terminal) or markdown (README), with ``images`` (title -> file) in markdown."""
+    parts = []
+    for t in comparison.tables:
+        if markdown:
+            parts.append(f"### {t.title}\n\n{markdown_table(t.header, t.rows)}" + (f"\n\n{t.caption}" if t.caption else ""))
+        else:
+            parts.append(f"{t.title}\n{text_table(t.header, t.rows)}" + (f"\n({t.caption})" if t.caption else ""))
+    if images:
+        parts.append("\n".join(f"![{title}]({file})" if markdown else f"{title}: {file}" for title, file in images.items()))
+    lines = [f"not compared ({reason}): {label}" for label, reason in comparison.left_out] + comparison.notes
+    if lines:
+        parts.append("\n".join(f"- {x}" for x in lines) if markdown else "\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def overview(*paths, root: Path | str | None = None, markdown: bool = False) -> str:
+    """Every table for the complete runs under ``paths``, and the list of the runs left out."""
+    return render(compare(*paths, root=root), markdown=markdown)
+
+
+def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
+    """Write the plots (PNG) and the tables (comparison.md, comparison.txt) into ``out``; returns the files."""
+    from my_utils import plots
+    from my_utils.runs import atomic_write_text
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    if any(r["metrics"] for r in comparison.runs):
+        files["Loss curves"] = plots.loss_curves(comparison.runs, comparison.labels, out / "loss_curves.png")
+    if any(r["summary"].get("memory") for r in comparison.runs):
+        files["Peak memory per device"] = plots.memory_bars(comparison.runs, comparison.labels, out / "memory.png")
+    if comparison.speedup_groups:
+        files["Speedup against the ideal"] = plots.speedup(comparison.speedup_groups, out / "speedup.png")
+    images = {title: p.name for title, p in files.items()}
+    atomic_write_text(out / "comparison.md", render(comparison, markdown=True, images=images) + "\n")
+    atomic_write_text(out / "comparison.txt", render(comparison, images=images) + "\n")
+    return {**files, "markdown": out / "comparison.md", "text": out / "comparison.txt"}
 
 
 def main(argv=None) -> None:
     import argparse
 
+    from my_utils import UserError
+
     p = argparse.ArgumentParser(prog="python -m my_utils compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="results folders, or folders that contain them")
     p.add_argument("--markdown", action="store_true", help="print markdown tables (for the README)")
+    p.add_argument("--out", help="folder to write comparison.md, comparison.txt and the PNG plots into")
     args = p.parse_args(argv)
     missing = [x for x in args.paths if not Path(x).exists()]
     if missing:
-        from my_utils import UserError
-
         raise UserError(f"{missing[0]} does not exist; pass results folders such as runs/run_1_cpu_x2.")
-    print(overview(*args.paths, markdown=args.markdown))
+    comparison = compare(*args.paths)
+    if not comparison.runs and not comparison.left_out:
+        raise UserError(f"No results folder (a folder with run.json) under {' '.join(args.paths)}; "
+                        "pass the folder a run wrote.")
+    files = write_outputs(comparison, args.out) if args.out else {}
+    images = {t: str(f) for t, f in files.items() if f.suffix == ".png"}
+    print(render(comparison, markdown=args.markdown, images=images))

@@ -1,0 +1,167 @@
+"""``python -m my_utils compare``: tables and plots from complete results folders only."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from my_utils import UserError, compare
+from my_utils.runs import Run
+
+CPU = [{"kind": "cpu", "index": None, "name": "Test CPU", "cores": 2, "total_memory": 8 << 30}]
+
+
+def fake_run(path, *, processes=1, samples_per_s=10.0, method="lora", rank=8, versions=None, commit=None,
+             losses=(2.0, 1.5, 1.2), finish=True):
+    """A results folder shaped like the LoRA workflow's, with ``processes`` ranks of memory figures."""
+    config = {"preset": "tiny", "method": method, "rank": rank, "batch_size": 4, "num_processes": processes,
+              "output_dir": str(path)}
+    fields = {"world_size": processes, "backend": "gloo" if processes > 1 else None, "devices": CPU}
+    run = Run.create(path, config=config, command=["test"], **fields)
+    if versions or commit:
+        run.update(**({"versions": {**run.info["versions"], **versions}} if versions else {}),
+                   **({"commit": commit} if commit else {}))
+    for step, loss in enumerate(losses, start=1):
+        run.log_metrics({"step": step, "loss": loss, "learning_rate": 1e-3})
+    if not finish:
+        return run
+    memory = [{"rank": r, "first_step": {"device": "cpu", "peak_allocated": None, "peak_rss": 300 << 20},
+               "end": {"device": "cpu", "peak_allocated": None, "peak_rss": (400 + r) << 20}} for r in range(processes)]
+    run.finish({
+        "workflow": "lora", "preset": "tiny", "method": method, "rank": rank, "world_size": processes,
+        "batch_size_per_process": 4, "grad_accum": 1, "effective_batch": 4 * processes, "learning_rate": 1e-3,
+        "lr_scaling": "none", "steps": len(losses), "train_loss_first": losses[0], "train_loss_final": losses[-1],
+        "eval_loss": 1.3, "exact_match_before": 0.1, "exact_match_after": 0.5, "runtime_s": 3.0,
+        "samples_per_s": samples_per_s, "tokens_per_s": 50 * samples_per_s, "trainable_params": 1000,
+        "total_params": 100000, "adapter_bytes": 4096, "memory": memory,
+        "peak_memory_bytes": max(m["end"]["peak_rss"] for m in memory),
+    })
+    return run
+
+
+@pytest.fixture
+def results(tmp_path):
+    root = tmp_path / "runs"
+    fake_run(root / "lora_x1", processes=1, samples_per_s=10.0)
+    fake_run(root / "lora_x2", processes=2, samples_per_s=16.0)
+    fake_run(root / "full_x1", processes=1, samples_per_s=5.0, method="full", rank=None)
+    fake_run(root / "crashed", processes=2).fail("RuntimeError: boom")
+    fake_run(root / "still_running", processes=2, finish=False)
+    fake_run(root / "killed", processes=2).fail("interrupted: SIGTERM", status="interrupted")
+    (root / "lora_x1" / ".summary.json.abc123.tmp").write_text("{half a fi")  # a crash's temporary file
+    return root
+
+
+def table(comparison, title):
+    return next(t for t in comparison.tables if t.title == title)
+
+
+def test_only_complete_runs_enter_the_tables(results):
+    c = compare.compare(results)
+    assert sorted(c.labels[r["path"]] for r in c.runs) == ["full_x1", "lora_x1", "lora_x2"]
+    assert sorted(c.left_out) == [("crashed", "failed"), ("killed", "interrupted"), ("still_running", "running")]
+    text = compare.render(c)
+    for t in c.tables:
+        for row in t.rows:
+            assert not any(bad in cell for cell in row for bad in ("crashed", "killed", "still_running"))
+    assert "not compared (failed): crashed" in text
+
+
+def test_speedup_groups_runs_that_differ_only_by_process_count(results):
+    c = compare.compare(results)
+    assert list(c.speedup_groups.values()) == [[(1, 1.0), (2, pytest.approx(1.6))]]
+    rows = table(c, "Speedup").rows
+    header = table(c, "Speedup").header
+    by_run = {r[header.index("run")]: r for r in rows}
+    assert set(by_run) == {"lora_x1", "lora_x2"}  # the full fine-tuning run is another experiment
+    assert by_run["lora_x2"][header.index("speedup")] == "1.60x"
+    assert by_run["lora_x2"][header.index("efficiency")] == "80%"
+
+
+def test_memory_batch_and_quality_tables(results):
+    c = compare.compare(results)
+    memory = table(c, "Memory per device")
+    assert [(r[0], r[2]) for r in memory.rows if r[0] == "lora_x2"] == [("lora_x2", "0"), ("lora_x2", "1")]
+    assert {r[memory.header.index("peak")] for r in memory.rows if r[0] == "lora_x2"} == {"400.0 MiB", "401.0 MiB"}
+    batch = table(c, "Batch and learning rate")
+    assert {r[0]: r[batch.header.index("effective batch")] for r in batch.rows}["lora_x2"] == "8"
+    quality = table(c, "Quality")
+    assert quality.rows[0][quality.header.index("exact match before -> after")] == "0.10 -> 0.50"
+
+
+def test_runs_with_other_versions_or_commit_are_marked(tmp_path):
+    fake_run(tmp_path / "a", commit="aaaa")
+    fake_run(tmp_path / "b", commit="aaaa")
+    fake_run(tmp_path / "c", commit="bbbb", versions={"torch": "2.0.0"})
+    c = compare.compare(tmp_path)
+    names = [r[0] for r in table(c, "Runs").rows]
+    assert names == ["a", "b", f"c{compare.VERSIONS_MARK}{compare.COMMIT_MARK}"]
+    assert any("torch 2.0.0 (others 2.13.0" in n for n in c.notes)
+    assert any("other commit bbbb" in n for n in c.notes)
+
+
+def test_unreadable_and_summaryless_folders_are_listed(tmp_path):
+    fake_run(tmp_path / "ok")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "run.json").write_text('{"status": "compl')
+    run = fake_run(tmp_path / "no_summary", finish=False)
+    run.update(status="complete")
+    c = compare.compare(tmp_path)
+    assert [c.labels[r["path"]] for r in c.runs] == ["ok"]
+    assert dict(c.left_out) == {"broken": "unreadable (JSONDecodeError)", "no_summary": "complete, but no summary.json"}
+
+
+def test_markdown_and_output_folder(results, tmp_path):
+    c = compare.compare(results)
+    files = compare.write_outputs(c, tmp_path / "out")
+    assert {p.name for p in files.values()} == {"loss_curves.png", "memory.png", "speedup.png", "comparison.md",
+                                                "comparison.txt"}
+    for p in files.values():
+        assert p.stat().st_size > 1000
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = files["markdown"].read_text()
+    assert "### Runs" in md and "### Speedup" in md and "| lora_x2 | 2 |" in md
+    assert "![Speedup against the ideal](speedup.png)" in md
+    assert not list((tmp_path / "out").glob(".*.tmp"))
+
+
+def test_command_line(results, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "my_utils", "compare", str(results), "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, check=True)
+    assert "Speedup" in out.stdout and "not compared (failed): crashed" in out.stdout
+    assert (tmp_path / "o" / "speedup.png").is_file()
+    md = subprocess.run([sys.executable, "-m", "my_utils", "compare", str(results), "--markdown"],
+                        capture_output=True, text=True, check=True).stdout
+    assert "| run |" in md and "- not compared (interrupted): killed" in md
+    bad = subprocess.run([sys.executable, "-m", "my_utils", "compare", str(tmp_path / "nope")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_no_results_folder_is_one_sentence(tmp_path):
+    with pytest.raises(UserError, match="No results folder"):
+        compare.main([str(tmp_path)])
+
+
+def test_overview_keeps_working_for_the_demo(results):
+    text = compare.overview(results, root=results)
+    assert text.startswith("Runs\n") and "lora_x2" in text and "not compared (running): still_running" in text
+
+
+@pytest.mark.slow
+def test_a_real_tiny_run_is_compared(tmp_path, subprocess_env):
+    out = tmp_path / "runs" / "real"
+    subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", "--preset", "tiny", "--max-steps", "2",
+                    "--logging-steps", "1", "--skip-generation-eval", "--eval-rows", "8", "--output-dir", str(out)],
+                   env=subprocess_env, check=True, capture_output=True, text=True)
+    fake_run(tmp_path / "runs" / "crashed").fail("RuntimeError: boom")
+    c = compare.compare(tmp_path / "runs")
+    assert [c.labels[r["path"]] for r in c.runs] == ["real"]
+    summary = json.loads((out / "summary.json").read_text())
+    runs_row = table(c, "Runs").rows[0]
+    assert f"{summary['samples_per_s']:.1f}" in runs_row
+    assert c.left_out == [("crashed", "failed")]
+    files = compare.write_outputs(c, tmp_path / "out")
+    assert files["Loss curves"].is_file() and files["Peak memory per device"].is_file()
