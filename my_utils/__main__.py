@@ -1,4 +1,9 @@
-"""``python -m my_utils <command>``: demo, compare, env (and more as lessons land). ``--help`` lists them."""
+"""``python -m my_utils <command>``: demo, compare, plan, env. ``--help`` lists them; ``<command> --help``
+explains one.
+
+    python -m my_utils compare runs/run_1_cpu_x2 --out comparison/
+    python -m my_utils plan --preset opt-350m --method qlora --device T4
+"""
 
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     commands = {
         "demo": ("run every notebook on the tiny preset into a new results folder", "my_utils.demo"),
-        "compare": ("tables from results folders", "my_utils.compare"),
+        "compare": ("tables and plots from results folders", "my_utils.compare"),
+        "plan": ("predict a training run's peak memory per device, and whether it fits", "my_utils.planner"),
         "env": ("devices, versions and the accelerate config in use", "my_utils.env"),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:

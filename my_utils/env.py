@@ -1,10 +1,25 @@
-"""``python -m my_utils env``: this machine's devices, the course's library versions, and the accelerate
-config that ``accelerate launch`` would use, as tables."""
+"""``python -m my_utils env``: this machine's devices, the course's library versions, the accelerate config that
+``accelerate launch`` would use, and the environment variables that change how runs behave, as tables.
+
+    python -m my_utils env                              # tables
+    python -m my_utils env --config configs/cpu_x2.yaml  # the settings of a shipped config instead
+    python -m my_utils env --json                       # the same, as JSON (e.g. to attach to a bug report)
+"""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+
+from my_utils import UserError
+
+# Variables that change what a launch does or what a run measures.
+ENV_VARS = ("ACCELERATE_USE_CPU", "ACCELERATE_CONFIG_FILE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+            "HF_HUB_OFFLINE", "HF_HOME", "COURSE_RUN_ROOT", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+# The settings of an accelerate config that decide how many processes start, where, and in which precision.
+CONFIG_KEYS = ("distributed_type", "num_processes", "num_machines", "use_cpu", "mixed_precision", "gpu_ids",
+               "main_process_ip", "main_process_port", "fsdp_config", "deepspeed_config")
 
 
 def accelerate_default_config() -> Path | None:
@@ -14,19 +29,84 @@ def accelerate_default_config() -> Path | None:
     return path if path.is_file() else None
 
 
+def read_accelerate_config(path: str | Path) -> dict:
+    """The settings of an accelerate YAML (or JSON) config file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"Accelerate config {path} does not exist; pass one of the files in configs/.")
+    try:
+        settings = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError:
+        raise UserError(f"Accelerate config {path} is not valid YAML; fix it or run `accelerate config`.") from None
+    if not isinstance(settings, dict):
+        raise UserError(f"Accelerate config {path} is not a mapping of settings; run `accelerate config` to write one.")
+    return settings
+
+
+def torch_build() -> dict:
+    """What torch was built for: its CUDA version (None on a CPU build) and whether bf16 runs on the GPU."""
+    import torch
+
+    from my_utils.devices import cuda_available
+
+    build = {"torch cuda": torch.version.cuda, "cudnn": None, "bf16 on GPU": None}
+    if cuda_available():
+        build["cudnn"] = torch.backends.cudnn.version()
+        build["bf16 on GPU"] = torch.cuda.is_bf16_supported()
+    return build
+
+
+def environment(config_file: str | Path | None = None) -> dict:
+    """Everything the command shows, as plain data."""
+    from my_utils.devices import device_inventory
+    from my_utils.runs import library_versions
+
+    config_path = Path(config_file) if config_file else accelerate_default_config()
+    return {
+        "devices": device_inventory(),
+        "versions": library_versions(),
+        "torch_build": torch_build(),
+        "accelerate_config": {"path": str(config_path) if config_path else None,
+                              "settings": read_accelerate_config(config_path) if config_path else None},
+        "environment": {k: os.environ.get(k) for k in ENV_VARS},
+    }
+
+
+def render(env: dict) -> str:
+    from my_utils.compare import text_table
+    from my_utils.memory import format_bytes
+
+    devices = [[d["kind"] if d["index"] is None else f"{d['kind']}:{d['index']}", d["name"], str(d["cores"] or "-"),
+                format_bytes(d["total_memory"])] for d in env["devices"]]
+    build = env["torch_build"]
+    versions = [[k, str(v)] for k, v in env["versions"].items()]
+    versions.append(["torch build", f"CUDA {build['torch cuda']}" if build["torch cuda"] else "CPU only"])
+    versions += [[k, str(v)] for k, v in build.items() if k != "torch cuda" and v is not None]
+    config = env["accelerate_config"]
+    if config["path"]:
+        settings = config["settings"]
+        rows = [[k, json.dumps(settings[k]) if isinstance(settings[k], (dict, list)) else str(settings[k])]
+                for k in CONFIG_KEYS if k in settings]
+        config_text = f"accelerate config: {config['path']}\n" + text_table(["setting", "value"], rows)
+    else:
+        config_text = ("accelerate config: none (no default config file; the course passes --config_file "
+                       "configs/...)")
+    variables = [[k, v] for k, v in env["environment"].items() if v is not None]
+    variables_text = (text_table(["variable", "value"], variables) if variables
+                      else "environment variables: none of " + ", ".join(ENV_VARS) + " is set")
+    return "\n\n".join([text_table(["device", "name", "cores", "memory"], devices),
+                        text_table(["library", "version"], versions), config_text, variables_text])
+
+
 def main(argv=None) -> None:
     import argparse
 
-    from my_utils.compare import text_table
-    from my_utils.devices import device_inventory
-    from my_utils.memory import format_bytes
-    from my_utils.runs import library_versions
-
-    argparse.ArgumentParser(prog="python -m my_utils env", description=__doc__).parse_args(argv)
-    devices = [[d["kind"] if d["index"] is None else f"{d['kind']}:{d['index']}", d["name"],
-                str(d["cores"] or "-"), format_bytes(d["total_memory"])] for d in device_inventory()]
-    print(text_table(["device", "name", "cores", "memory"], devices), end="\n\n")
-    print(text_table(["library", "version"], [[k, str(v)] for k, v in library_versions().items()]), end="\n\n")
-    config = accelerate_default_config()
-    print(f"accelerate default config: {config or 'none (the course passes --config_file configs/...)'}")
-    print(f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '')!s}")
+    p = argparse.ArgumentParser(prog="python -m my_utils env", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="show this accelerate config file instead of the default one")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    args = p.parse_args(argv)
+    env = environment(args.config)
+    print(json.dumps(env, indent=2, default=str) if args.json else render(env))

@@ -1,0 +1,50 @@
+"""``python -m my_utils env``: devices, versions, the accelerate config in use and the relevant variables."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from my_utils import UserError, env
+
+
+def test_tables_show_devices_versions_and_config(capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    env.main(["--config", str(env.Path(__file__).parent.parent / "configs" / "cpu_x2.yaml")])
+    out = capsys.readouterr().out
+    assert out.startswith("device  name")
+    assert "torch         2.13.0" in out and "torch build" in out
+    assert "distributed_type   MULTI_GPU" in out and "use_cpu            True" in out
+    assert "OMP_NUM_THREADS  1" in out
+
+
+def test_default_config_is_found_through_hf_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("ACCELERATE_CONFIG_FILE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert env.accelerate_default_config() is None
+    (tmp_path / "accelerate").mkdir()
+    (tmp_path / "accelerate" / "default_config.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: 4\n")
+    info = env.environment()
+    assert info["accelerate_config"]["settings"] == {"distributed_type": "MULTI_CPU", "num_processes": 4}
+    assert "num_processes     4" in env.render(info)
+
+
+def test_bad_config_files_are_one_sentence(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        env.read_accelerate_config(tmp_path / "none.yaml")
+    (tmp_path / "bad.yaml").write_text("a: [1,\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        env.read_accelerate_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(UserError, match="not a mapping"):
+        env.read_accelerate_config(tmp_path / "list.yaml")
+
+
+def test_json_output(subprocess_env):
+    out = subprocess.run([sys.executable, "-m", "my_utils", "env", "--json"], env=subprocess_env,
+                         capture_output=True, text=True, check=True).stdout
+    info = json.loads(out)
+    assert info["devices"][0]["kind"] == "cpu" and info["devices"][0]["total_memory"] > 0
+    assert info["versions"]["torch"].startswith("2.13.0")
+    assert info["environment"]["OMP_NUM_THREADS"] == "1"
