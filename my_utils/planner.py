@@ -1,0 +1,514 @@
+"""Memory planner: predict the peak memory of one training process before running it, and say whether it fits.
+
+    python -m my_utils plan --preset opt-350m --method qlora --rank 8 --batch 16 --seq 128 --device T4
+    python -m my_utils plan --preset gpt2 --method full --dtype bf16 --processes 4 --memory 24GiB
+    python -m my_utils plan --preset tiny --method lora --batch 16 --seq 64 --device cpu   # a CPU process
+
+The architecture comes from the preset's shipped ``config.json``, built on PyTorch's ``meta`` device (shapes,
+no memory) for exact parameter counts; the LoRA parameters are counted from the target modules' shapes. The
+peak is split into four parts, each computed from a stated rule:
+
+- weights: every parameter at its stored size: fp32 4 bytes, bf16 2 bytes, NF4 (QLoRA, double quantization)
+  0.5 byte + 1/64 byte of block constants, int8 1 byte + an fp32 scale per output row. Quantization covers the
+  linear layers except the output embedding; the other weights stay in fp32 (peft's k-bit preparation).
+  LoRA adapters are kept in fp32; full fine-tuning in bf16 keeps fp32 master weights plus a bf16 copy (autocast).
+- gradients: 4 bytes per trainable parameter, twice over with several processes (DDP's gradient buckets).
+- optimizer states: AdamW keeps two fp32 tensors per trainable parameter: 8 bytes per parameter.
+- activations: what autograd saves for the backward pass, layer by layer, from hidden size, intermediate size,
+  heads, layers, sequence and batch (see ``layer_activations``), plus the logits and the loss; with gradient
+  checkpointing only each layer's input is kept and one layer is recomputed at a time.
+
+The sum is the planned peak of tensor memory per process (= per device: data-parallel processes each hold a
+full replica). On a GPU the plan adds the CUDA context (``CUDA_CONTEXT``, outside torch's counters); on a CPU
+the process also holds Python, torch and the libraries (``--device cpu`` measures them here, in a fresh
+process, and adds them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+
+from my_utils import UserError
+from my_utils.memory import GiB, MiB, format_bytes
+
+METHODS = ("full", "lora", "qlora")
+DTYPES = {"fp32": 4, "bf16": 2}
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + an 8-bit absmax per 64 weights + an fp32 per 256 blocks
+ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32
+TRAINABLE_BYTES = 4  # trainable parameters and their gradients are fp32 (LoRA adapters, full-FT master weights)
+CUDA_CONTEXT = 600 * MiB  # CUDA context, cuBLAS workspace: on the device but outside torch's allocated bytes
+# Usable memory of common GPUs, as torch reports it (a few percent under the marketing figure).
+DEVICES = {
+    "T4": 14.6 * GiB,
+    "V100-16GB": 15.8 * GiB,
+    "V100-32GB": 31.7 * GiB,
+    "L4": 22.0 * GiB,
+    "A10G": 22.0 * GiB,
+    "RTX-3090": 23.6 * GiB,
+    "RTX-4090": 23.6 * GiB,
+    "A100-40GB": 39.4 * GiB,
+    "A100-80GB": 79.2 * GiB,
+    "H100": 79.1 * GiB,
+    "H200": 139.8 * GiB,
+}
+# Activation functions: how many tensors of the MLP's inner size each one saves for backward, and whether the
+# next linear layer's input is one of them (ReLU saves its output, which is the input of the down projection).
+ACTIVATIONS = {
+    "gelu_new": (4, False),  # written in Python: x, tanh(...), 0.5*x and 1+tanh(...) are all kept
+    "gelu": (1, False),
+    "gelu_pytorch_tanh": (1, False),
+    "relu": (1, True),
+    "silu": (1, False),
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the planner needs to know about a model, read from its config and its meta-device build."""
+
+    name: str
+    model_type: str
+    role: str  # "causal" or "classifier"
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    vocab: int
+    activation: str
+    dropout: bool  # residual dropout: active in training, it keeps a mask per layer
+    attention_dropout: bool  # dropout on attention weights: on a CPU, no fused attention kernel takes it
+    fused_qkv: bool  # one projection makes queries, keys and values (GPT-2's c_attn)
+    extra_norms: int  # layer norms outside the blocks (final norm, embedding norm): each keeps its input
+    embedding_dropout: bool  # a dropout module outside the blocks (on the embeddings)
+    total_params: int
+    linears: dict = field(repr=False)  # module name -> (in features, out features, has bias)
+    quantizable: tuple = field(repr=False)  # names of the linear layers bitsandbytes would quantize
+    head_params: int = 0  # classification head (trained beside LoRA adapters)
+
+
+def _first(config, names, default=None):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+@lru_cache(maxsize=None)
+def architecture(preset: str, role: str | None = None) -> Architecture:
+    """The preset's model (causal LM, else classifier) built from its shipped config on the meta device."""
+    from transformers import AutoConfig
+
+    from my_utils.presets import get_preset
+
+    p = get_preset(preset)
+    role = role or ("causal" if p.causal_model else "classifier")
+    folder = p.offline_config.get(role)
+    if not folder:
+        raise UserError(f"Preset {preset!r} ships no {role} config to plan with; use one of tiny, gpt2, opt-350m.")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except OSError:
+        raise UserError(f"No config.json in {folder}; the preset's assets are missing, reinstall the course.") from None
+    return architecture_from_config(config, preset, role)
+
+
+def architecture_from_config(config, name: str, role: str = "causal") -> Architecture:
+    """Build ``config``'s model on the meta device and read what the planner needs from it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        if role == "causal":
+            model = AutoModelForCausalLM.from_config(config)
+        else:
+            model = AutoModelForSequenceClassification.from_config(config, num_labels=2)
+    skip = get_keys_to_not_convert(model)
+    linears, quantizable = {}, []
+    for module_name, module in model.named_modules():
+        if isinstance(module, Conv1D):  # GPT-2's linear layers store the weight as (in, out)
+            linears[module_name] = (*module.weight.shape, module.bias is not None)
+        elif type(module) is torch.nn.Linear:
+            linears[module_name] = (module.in_features, module.out_features, module.bias is not None)
+        else:
+            continue
+        if should_convert_module(module_name, skip):
+            quantizable.append(module_name)
+    outside = [(n, m) for n, m in model.named_modules() if not re.search(r"\.\d+(\.|$)", n)]
+    norms = sum(isinstance(m, torch.nn.LayerNorm) for _, m in model.named_modules())
+    head = ()
+    if role == "classifier":
+        head = tuple(n for n in ("classifier", "score") if hasattr(model, n))
+    hidden = _first(config, ("hidden_size", "n_embd", "d_model"))
+    dropout = _first(config, ("resid_pdrop", "dropout", "hidden_dropout_prob"), 0.0) > 0
+    attention_dropout = _first(config, ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob"), 0.0) > 0
+    return Architecture(
+        name=name,
+        model_type=config.model_type,
+        role=role,
+        hidden=hidden,
+        intermediate=_first(config, ("intermediate_size", "ffn_dim", "n_inner"), 4 * hidden),
+        layers=_first(config, ("num_hidden_layers", "n_layer")),
+        heads=_first(config, ("num_attention_heads", "n_head")),
+        vocab=config.vocab_size,
+        activation=_first(config, ("activation_function", "hidden_act"), "gelu"),
+        dropout=dropout,
+        attention_dropout=attention_dropout,
+        fused_qkv=any(_role_of(n) == "qkv" and out == 3 * inp for n, (inp, out, _) in linears.items()),
+        extra_norms=norms - 2 * _first(config, ("num_hidden_layers", "n_layer")),
+        embedding_dropout=dropout and any(isinstance(m, torch.nn.Dropout) for _, m in outside),
+        total_params=sum(p.numel() for p in model.parameters()),
+        linears=linears,
+        quantizable=tuple(quantizable),
+        head_params=sum(p.numel() for n in head for p in getattr(model, n).parameters()),
+    )
+
+
+def lora_modules(arch: Architecture, targets) -> list[str]:
+    """The linear layers peft adapts: those whose name is, or ends with, a target."""
+    targets = tuple(targets)
+    found = [n for n in arch.linears if n.rsplit(".", 1)[-1] in targets or n in targets]
+    if not found:
+        raise UserError(f"No linear layer of {arch.name} is called {', '.join(targets)}; "
+                        f"choose from {', '.join(sorted({n.rsplit('.', 1)[-1] for n in arch.linears}))}.")
+    return found
+
+
+def lora_parameters(arch: Architecture, rank: int, targets) -> int:
+    """A rank-r adapter on a (d_in -> d_out) layer adds A (r x d_in) and B (d_out x r): r (d_in + d_out)."""
+    return sum(rank * (arch.linears[n][0] + arch.linears[n][1]) for n in lora_modules(arch, targets))
+
+
+def _role_of(name: str) -> str:
+    """Which part of a transformer block a linear layer is: 'qkv', 'out', 'up', 'down' or 'other'."""
+    last = name.rsplit(".", 1)[-1]
+    if last in ("c_attn", "q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv", "Wqkv"):
+        return "qkv"
+    if last in ("out_proj", "o_proj") or re.search(r"attn\.c_proj$|attention\.output\.dense$", name):
+        return "out"
+    if last in ("c_fc", "fc1", "up_proj") or re.search(r"intermediate\.dense$", name):
+        return "up"
+    if last in ("fc2", "down_proj") or re.search(r"mlp\.c_proj$|\d\.output\.dense$", name):
+        return "down"
+    return "other"
+
+
+def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, kept: dict[str, int], *,
+                      input_bytes: int | None = None, device: str = "cuda", rank: int = 0) -> float:
+    """Bytes autograd keeps for one transformer layer until the backward pass.
+
+    ``kept`` counts, per projection ('qkv', 'out', 'up', 'down'), the layers whose input is saved because their
+    weight trains (full fine-tuning) or carries an adapter (LoRA); a frozen layer keeps nothing of its input.
+    Those inputs are kept at ``input_bytes`` per element (peft casts a bf16 input to its fp32 adapters: one
+    copy per adapter; otherwise the layers reading one tensor share it). Two things depend on the ``device``:
+    a fused attention kernel keeps only its inputs, output and one number per head and query, but on a CPU
+    none takes attention dropout, so the plain path keeps three (batch x heads x seq x seq) matrices (weights,
+    dropout mask, dropped weights); and a CPU dropout keeps its mask as a full tensor of the activation dtype
+    where CUDA keeps one byte per element.
+    """
+    input_bytes = input_bytes or act_bytes
+    tokens = batch * seq
+    th, tf = tokens * arch.hidden, tokens * arch.intermediate
+    saved, relu_like = ACTIVATIONS.get(arch.activation, (1, False))
+    mask_bytes = act_bytes if device == "cpu" else 1
+    fused = device != "cpu" or not arch.attention_dropout
+    shared = input_bytes == act_bytes
+
+    def inputs(part: str, size: int, already_kept: bool = False) -> float:
+        n = kept.get(part, 0)
+        copies = (min(n, 1) - already_kept if shared else n) if n else 0
+        return max(copies, 0) * size * input_bytes
+
+    own = act_bytes * (
+        2 * th  # the inputs of the two layer norms
+        + (5 if fused and arch.fused_qkv else 3) * th  # queries, keys, values (the fused kernel copies two)
+        + th * fused  # the attention output, kept by a fused kernel (otherwise by its projection, if it trains)
+        + saved * tf  # the activation function's own tensors
+        + tokens * rank * sum(kept.values())  # LoRA keeps each adapter's A x input for B's gradient
+    )
+    projections = (inputs("qkv", th) + inputs("out", th, already_kept=fused) + inputs("up", th)
+                   + inputs("down", tf, already_kept=relu_like))
+    if fused:
+        attention = 4 * batch * arch.heads * seq + batch * seq * seq * act_bytes  # log-sum-exp, padding mask
+    else:
+        attention = batch * arch.heads * seq * seq * (2 * act_bytes + mask_bytes)  # weights, mask, dropped weights
+    masks = 2 * th * mask_bytes if arch.dropout else 0  # the two residual dropouts
+    return own + projections + attention + masks
+
+
+@dataclass
+class Plan:
+    preset: str
+    method: str  # full, lora, qlora-4bit, qlora-8bit
+    dtype: str
+    rank: int | None
+    batch: int  # per process
+    seq: int
+    processes: int
+    gradient_checkpointing: bool
+    total_params: int
+    trainable_params: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    overhead: float = 0.0  # CUDA context, or the CPU process's baseline
+    overhead_what: str = ""
+
+    @property
+    def peak(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+
+    def parts(self) -> list[tuple[str, float, str]]:
+        """(part, bytes, how it was computed) for each row of the plan."""
+        rows = [
+            ("weights", self.weights, f"{self.total_params:,} parameters"),
+            ("gradients", self.gradients, f"{self.trainable_params:,} trainable x 4 B"
+             + (" x 2 (DDP buckets)" if self.processes > 1 else "")),
+            ("optimizer states", self.optimizer, f"AdamW: {self.trainable_params:,} x 2 x 4 B"),
+            ("activations", self.activations, f"batch {self.batch} x seq {self.seq}"
+             + (", checkpointed" if self.gradient_checkpointing else "")),
+        ]
+        if self.overhead:
+            rows.append(("runtime", self.overhead, self.overhead_what))
+        return rows
+
+
+def plan(preset: str, method: str = "lora", *, rank: int = 8, targets=None, batch: int | None = None,
+         seq: int | None = None, processes: int = 1, dtype: str = "fp32", quantize: str | None = None,
+         gradient_checkpointing: bool = False, device: str = "cuda") -> Plan:
+    """Predict one process's peak tensor memory for fine-tuning ``preset`` with ``method`` (full, lora, qlora).
+
+    ``quantize`` is '4bit' (NF4, the default for qlora) or '8bit'; ``batch`` is per process; ``seq`` is the
+    padded sequence length (default: the preset's max_length); ``device`` is 'cuda' or 'cpu' (see
+    ``layer_activations``).
+    """
+    from my_utils.models import check_lora_args
+    from my_utils.presets import get_preset
+    from my_utils.training import check_positive
+
+    p = get_preset(preset)
+    method, quantize = _method(method, quantize)
+    if dtype not in DTYPES:
+        raise UserError(f"Unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
+    if device not in ("cuda", "cpu"):
+        raise UserError(f"Unknown device kind {device!r}; choose cuda or cpu.")
+    batch = p.batch_size if batch is None else batch
+    seq = p.max_length if seq is None else seq
+    for name, value in (("--batch", batch), ("--seq", seq), ("--processes", processes)):
+        check_positive(name, value)
+    if method != "full":
+        check_lora_args(rank)
+    arch = architecture(preset)
+    targets = targets or (p.lora_targets if arch.role == "causal" else p.classifier_lora_targets)
+    return estimate(arch, method, quantize=quantize, rank=rank, targets=targets, batch=batch, seq=seq,
+                    processes=processes, dtype=dtype, gradient_checkpointing=gradient_checkpointing, device=device)
+
+
+def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: int = 8, targets=(), batch: int,
+             seq: int, processes: int = 1, dtype: str = "fp32", gradient_checkpointing: bool = False,
+             device: str = "cuda") -> Plan:
+    """The plan for an architecture (``plan`` fills in a preset's defaults and checks the arguments)."""
+    dtype_bytes = DTYPES[dtype]
+    if method == "full":
+        adapted, lora = [], 0
+        trainable = arch.total_params
+        kept = {"qkv": 1, "out": 1, "up": 1, "down": 1}
+    else:
+        adapted = lora_modules(arch, targets)
+        lora = lora_parameters(arch, rank, targets)
+        trainable = lora + arch.head_params
+        kept = {}
+        for n in adapted:
+            kept[_role_of(n)] = kept.get(_role_of(n), 0) + 1 / arch.layers
+
+    # weights
+    if method == "full":
+        weights = arch.total_params * (TRAINABLE_BYTES + (2 if dtype == "bf16" else 0))  # + autocast's bf16 copy
+    elif quantize == "none":
+        weights = arch.total_params * dtype_bytes + trainable * TRAINABLE_BYTES
+    else:
+        quantized = sum(arch.linears[n][0] * arch.linears[n][1] for n in arch.quantizable)
+        rows = sum(arch.linears[n][1] for n in arch.quantizable)
+        stored = quantized * NF4_BYTES if quantize == "4bit" else quantized + 4 * rows
+        weights = stored + (arch.total_params - quantized) * 4 + trainable * TRAINABLE_BYTES
+    gradients = trainable * TRAINABLE_BYTES * (2 if processes > 1 else 1)
+    optimizer = trainable * ADAMW_STATE_BYTES
+
+    # activations: the layers, then the embeddings and the head
+    tokens = batch * seq
+    one_layer = layer_activations(arch, batch, seq, dtype_bytes, kept, device=device,
+                                  input_bytes=TRAINABLE_BYTES if method != "full" else dtype_bytes,
+                                  rank=rank if method != "full" else 0)
+    if gradient_checkpointing:
+        layers = arch.layers * tokens * arch.hidden * dtype_bytes + one_layer  # inputs kept, one layer recomputed
+    else:
+        layers = arch.layers * one_layer
+    # the inputs of the norms outside the blocks, and the embedding dropout's mask
+    mask_bytes = dtype_bytes if device == "cpu" else 1
+    edges = tokens * arch.hidden * (arch.extra_norms * dtype_bytes + arch.embedding_dropout * mask_bytes)
+    if arch.role == "causal":
+        # The loss keeps fp32 log-probabilities; backward starts by adding their gradient and the logits'
+        # gradient (fp32, then cast to bf16) while every other activation is still held.
+        edges += tokens * arch.vocab * (3 * 4 + (dtype_bytes if dtype_bytes != 4 else 0))
+        if method == "full":
+            edges += tokens * arch.hidden * dtype_bytes  # the input of the (trainable) output layer
+    return Plan(preset=arch.name, method=method if method != "qlora" else f"qlora-{quantize}", dtype=dtype,
+                rank=rank if method != "full" else None, batch=batch, seq=seq, processes=processes,
+                gradient_checkpointing=gradient_checkpointing, total_params=arch.total_params + lora,
+                trainable_params=trainable, weights=weights, gradients=gradients, optimizer=optimizer,
+                activations=layers + edges)
+
+
+def _method(method: str, quantize: str | None) -> tuple[str, str]:
+    """Normalise (method, quantize): 'qlora' means 4-bit unless 8-bit is asked; 'qlora-8bit' is accepted too."""
+    if method.startswith("qlora-"):
+        method, quantize = "qlora", method.split("-", 1)[1]
+    if method not in METHODS:
+        raise UserError(f"Unknown method {method!r}; choose one of {', '.join(METHODS)}.")
+    if method == "qlora":
+        quantize = quantize if quantize not in (None, "none") else "4bit"
+        if quantize not in ("4bit", "8bit"):
+            raise UserError(f"Unknown quantization {quantize!r}; choose 4bit or 8bit.")
+    elif quantize not in (None, "none"):
+        raise UserError("Quantized weights go with --method qlora; drop --quantize or use --method qlora.")
+    return method, quantize or "none"
+
+
+def longest_example(preset: str, max_length: int | None = None) -> int:
+    """Tokens in the preset's longest training example: what dynamic padding pads a batch to, at most (the
+    ``seq`` to plan with for the shipped data)."""
+    from my_utils.data import load_instructions, tokenize_instructions
+    from my_utils.models import load_tokenizer
+    from my_utils.presets import get_preset
+
+    p = get_preset(preset)
+    rows, _ = load_instructions(p.instruction_data)
+    return max(len(x["input_ids"]) for x in tokenize_instructions(rows, load_tokenizer(p), max_length or p.max_length))
+
+
+# ---------------------------------------------------------------------------------------------- the runtime
+
+
+BASELINE_IMPORTS = "import torch, transformers, accelerate, peft; from transformers import Trainer"
+
+
+def measure_baseline_rss(quantize: str = "none") -> int:
+    """Resident memory of a fresh Python process that has imported the training stack (torch, transformers,
+    the Trainer, accelerate, peft; bitsandbytes for a quantized run) and run one small backward pass (which
+    loads the compute kernels): what a CPU training process holds before its model and data."""
+    code = (
+        f"{BASELINE_IMPORTS}\n"
+        + ("import bitsandbytes\n" if quantize != "none" else "")
+        + "layer = torch.nn.Linear(64, 64)\n"
+        + "torch.optim.AdamW(layer.parameters(), fused=True).zero_grad()\n"
+        + "layer(torch.randn(8, 64)).sum().backward()\n"
+        + "from my_utils.memory import process_rss\n"
+        + "print(process_rss())\n"
+    )
+    from my_utils.launch import clean_env
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def with_runtime(p: Plan, device: str = "cuda", baseline: int | None = None) -> Plan:
+    """Add what a process holds beside its tensors: on a GPU the CUDA context, on a CPU ``baseline`` (measure it
+    with ``measure_baseline_rss``)."""
+    if device == "cpu":
+        if baseline is not None:
+            p.overhead, p.overhead_what = baseline, "process baseline: Python, torch, libraries (measured)"
+    else:
+        p.overhead, p.overhead_what = CUDA_CONTEXT, "CUDA context and workspaces (typical)"
+    return p
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def parse_size(text: str) -> float:
+    """'24GiB', '16GB', '512MiB', '1.5e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise UserError(f"Cannot read the memory size {text!r}; write it like 24GiB, 16GB or 512MiB.")
+    number, unit = float(m.group(1)), (m.group(2) or "B").upper().rstrip("B")
+    if not unit:
+        return number
+    base = 1024 if unit.endswith("I") else 1000
+    return number * base ** ("KMGT".index(unit[0]) + 1)
+
+
+def device_memory(name: str) -> tuple[str, float]:
+    """The name as listed and the usable bytes of a GPU ('T4', 'a100-40gb', ...)."""
+    for known, size in DEVICES.items():
+        if known.lower() == name.lower():
+            return known, size
+    raise UserError(f"Unknown device {name!r}; choose one of {', '.join(DEVICES)}, or give --memory 24GiB.")
+
+
+def render(p: Plan, limit: float | None = None, limit_name: str = "") -> str:
+    from my_utils.compare import text_table
+
+    rows = [[part, format_bytes(size), how] for part, size, how in p.parts()]
+    rows.append(["peak per process", format_bytes(p.peak), f"x {p.processes} process(es), one per device"
+                 if p.processes > 1 else "one process"])
+    title = (f"{p.preset}, {p.method}" + (f" r={p.rank}" if p.rank else "") + f", {p.dtype}, batch {p.batch} x seq "
+             f"{p.seq}, {p.processes} process(es): {p.trainable_params:,} trainable of {p.total_params:,} parameters")
+    lines = [title, text_table(["part", "memory", "from"], rows)]
+    if limit is not None:
+        verdict = "fits" if p.peak <= limit else "does NOT fit"
+        lines.append(f"{verdict} {limit_name} ({format_bytes(limit)}): {100 * p.peak / limit:.0f}% used")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> Plan:
+    import argparse
+
+    from my_utils.presets import PRESETS
+
+    ap = argparse.ArgumentParser(prog="python -m my_utils plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)}")
+    ap.add_argument("--method", default="lora", help="full, lora or qlora (4-bit; qlora-8bit for 8-bit)")
+    ap.add_argument("--quantize", choices=("4bit", "8bit"), help="QLoRA's weight format (default 4bit)")
+    ap.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    ap.add_argument("--targets", nargs="+", help="LoRA target modules (default: the preset's)")
+    ap.add_argument("--batch", type=int, help="batch per process (default: the preset's)")
+    ap.add_argument("--seq", type=int, help="tokens per example after padding (default: the preset's max_length)")
+    ap.add_argument("--processes", type=int, default=1, help="data-parallel processes, one per device")
+    ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="compute dtype")
+    ap.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
+    ap.add_argument("--device", help=f"the device to fit: {', '.join(DEVICES)}, or cpu (this machine's memory "
+                    "shared by the processes; adds the measured process baseline)")
+    ap.add_argument("--memory", help="the memory to fit per device instead, e.g. 24GiB")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    args = ap.parse_args(argv)
+    on_cpu = (args.device or "").lower() == "cpu"
+    limit, limit_name = None, ""
+    if args.memory:
+        limit, limit_name = parse_size(args.memory), args.memory
+    elif on_cpu:
+        import psutil
+
+        limit, limit_name = psutil.virtual_memory().total / args.processes, f"this machine's memory / {args.processes}"
+    elif args.device:
+        limit_name, limit = device_memory(args.device)
+    p = plan(args.preset, args.method, rank=args.rank, targets=args.targets, batch=args.batch, seq=args.seq,
+             processes=args.processes, dtype=args.dtype, quantize=args.quantize,
+             gradient_checkpointing=args.gradient_checkpointing, device="cpu" if on_cpu else "cuda")
+    quantize = p.method.split("-", 1)[1] if p.method.startswith("qlora") else "none"
+    with_runtime(p, "cpu" if on_cpu else "cuda", measure_baseline_rss(quantize) if on_cpu else None)
+    if args.json:
+        print(json.dumps({**asdict(p), "peak": p.peak, "limit": limit,
+                          "fits": None if limit is None else p.peak <= limit}, indent=2))
+    else:
+        print(render(p, limit, limit_name))
+    return p
