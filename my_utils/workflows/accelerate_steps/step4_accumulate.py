@@ -1,0 +1,75 @@
+"""Step 4 of 6, gradient accumulation: an optimizer step every ``grad_accum`` batches, for a larger effective
+batch in the same memory. Under DDP the gradients are all-reduced only on the last batch of each step (DDP's
+``no_sync()`` on the others), which ``accelerator.accumulate`` does for you.
+
+    python -m my_utils.workflows.accelerate_steps.step4_accumulate --preset tiny --grad-accum 2
+    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step4_accumulate \\
+        --preset tiny --grad-accum 2
+"""
+
+from __future__ import annotations
+
+from my_utils.workflows.accelerate_steps.common import Config, batches, build, learning_rate, main_for, run_step
+
+
+def training_loop(cfg: Config, run_dir) -> dict:
+    import time
+
+    import torch
+    # New Code # prepare
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    model, dataset = build(cfg)
+    # New Code # prepare
+    # The Accelerator knows this launch: how many processes, this process's device, the backend (gloo, nccl).
+    # New Code # mixed precision
+    # autocast the forward pass to bf16/fp16: less activation memory, faster matmuls on GPUs; fp16 also
+    # scales the loss (a GradScaler) so that small gradients do not underflow
+    accelerator = Accelerator(
+        mixed_precision=cfg.mixed_precision,
+        # New Code # gradient accumulation
+        gradient_accumulation_steps=cfg.grad_accum,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(cfg), weight_decay=0.0)
+    dataloader = DataLoader(dataset, batch_size=cfg.batch_size, drop_last=True)
+    # New Code # prepare
+    # prepare() moves the model to this process's device (and wraps it in DDP when several processes run),
+    # gives each process its own share of the batches (on its device) and wraps the optimizer.
+    model, optimizer, dataloader = accelerator.prepare(model, optimizer, dataloader)
+
+    losses = []
+    model.train()
+    started = time.perf_counter()
+    # New Code # gradient accumulation
+    # grad_accum batches per optimizer step
+    for batch in batches(dataloader, cfg.max_steps * cfg.grad_accum):
+        # New Code # gradient accumulation
+        # accumulate() divides the loss by grad_accum in backward(), skips the gradient all-reduce (no_sync) on
+        # all but the last batch of a step, and lets optimizer.step()/zero_grad() act on that last batch only
+        with accelerator.accumulate(model):
+            # New Code # prepare
+            # (no .to(device): the prepared dataloader yields batches on this process's device)
+            loss = model(**batch).loss
+            # New Code # prepare
+            # backward through the accelerator: it scales the loss when mixed precision or accumulation need it
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        # New Code # prepare
+        # each process trained on its own batch: log the mean of every process's loss
+        losses.append(accelerator.gather(loss.detach()).mean().item())
+    return {"losses": losses, "seconds": time.perf_counter() - started}
+
+
+def train(cfg: Config) -> dict:
+    """Run the training loop into a results folder; returns its summary."""
+    return run_step(training_loop, cfg, __name__)
+
+
+def main(argv=None) -> dict:
+    return main_for(train, argv, __name__)
+
+
+if __name__ == "__main__":
+    main()
