@@ -255,10 +255,13 @@ def quality_table(runs, name) -> Table:
         s = r["summary"]
         rows.append([name(r), _arrow(s.get("train_loss_first"), s.get("train_loss_final")), _num(s.get("eval_loss"), "{:.3f}"),
                      _arrow(s.get("exact_match_before"), s.get("exact_match_after"), "{:.2f}"),
+                     _arrow(s.get("similarity_before"), s.get("similarity_after"), "{:.2f}"),
                      _arrow(s.get("accuracy_before"), s.get("accuracy_after"), "{:.2f}"),
                      format_bytes(s.get("adapter_bytes"))])
+    scorers = sorted({r["summary"]["similarity_scorer"] for r in runs if r["summary"].get("similarity_scorer")})
     return Table("Quality", ["run", "train loss first -> final", "eval loss", "exact match before -> after",
-                             "accuracy before -> after", "adapter size"], rows)
+                             "similarity before -> after", "accuracy before -> after", "adapter size"], rows,
+                 f"similarity: {'; '.join(scorers)}" if scorers else "")
 
 
 def compare(*paths, root: Path | str | None = None) -> Comparison:
@@ -326,7 +329,7 @@ def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = {}
-    if any(r["metrics"] for r in comparison.runs):
+    if any("loss" in m for r in comparison.runs for m in r["metrics"]):
         files["Loss curves"] = plots.loss_curves(comparison.runs, comparison.labels, out / "loss_curves.png")
     if any(r["summary"].get("memory") for r in comparison.runs):
         files["Peak memory per device"] = plots.memory_bars(comparison.runs, comparison.labels, out / "memory.png")

@@ -154,7 +154,7 @@ def test_overview_keeps_working_for_the_demo(results):
 def test_a_real_tiny_run_is_compared(tmp_path, subprocess_env):
     out = tmp_path / "runs" / "real"
     subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", "--preset", "tiny", "--max-steps", "2",
-                    "--logging-steps", "1", "--skip-generation-eval", "--eval-rows", "8", "--output-dir", str(out)],
+                    "--skip-generation-eval", "--eval-rows", "8", "--output-dir", str(out)],
                    env=subprocess_env, check=True, capture_output=True, text=True)
     fake_run(tmp_path / "runs" / "crashed").fail("RuntimeError: boom")
     c = compare.compare(tmp_path / "runs")
@@ -163,5 +163,7 @@ def test_a_real_tiny_run_is_compared(tmp_path, subprocess_env):
     runs_row = table(c, "Runs").rows[0]
     assert f"{summary['samples_per_s']:.1f}" in runs_row
     assert c.left_out == [("crashed", "failed")]
+    memory = table(c, "Memory per device")
+    assert memory.rows[0][memory.header.index("peak")] == compare.format_bytes(summary["peak_memory_bytes"])
     files = compare.write_outputs(c, tmp_path / "out")
-    assert files["Loss curves"].is_file() and files["Peak memory per device"].is_file()
+    assert files["Peak memory per device"].is_file() and "### Memory per device" in files["markdown"].read_text()
