@@ -1,15 +1,21 @@
-"""Trainer callbacks: per-rank memory (gathered to rank 0), metrics written to the results folder, and a
-preview of what each rank trains on.
+"""Trainer callbacks and hooks: per-rank memory (gathered to rank 0) with a breakdown into weights,
+gradients, optimizer states and activations; metrics written to the results folder; and a collator hook that
+counts tokens and shows what each rank trains on.
 
 ``transformers.TrainerCallback`` is imported lazily (see ``make_callbacks``) so that importing this module
 does not import the Trainer.
+
+    memory_cb, metrics_cb = make_callbacks(run, device)
+    collator = TokenCounter(padding_collator(tokenizer), tokenizer=tokenizer, preview_batches=1)
+    Trainer(..., data_collator=collator, callbacks=[memory_cb, metrics_cb])
+    memory_cb.report        # on rank 0: one entry per rank, with its snapshots and breakdown
 """
 
 from __future__ import annotations
 
 import time
 
-from my_utils.memory import reset_peak, snapshot
+from my_utils.memory import peak_bytes, reset_peak, snapshot
 from my_utils.printing import get_rank, get_world_size, rank_print
 
 
@@ -25,11 +31,26 @@ def gather_to_rank0(obj) -> list | None:
     return gathered
 
 
-class TokenCounter:
-    """Wraps a collator and counts the real (non-padding) and padded tokens this rank trains on."""
+def preview_batch(batch, tokenizer, n_chars: int = 60) -> dict:
+    """Print, with the rank prefix, the start of the first example of a batch (each rank sees other data);
+    returns what was printed as a record: rank, batch size, text."""
+    ids = batch["input_ids"][0]
+    text = tokenizer.decode(ids[batch["attention_mask"][0].bool()], skip_special_tokens=True)[:n_chars]
+    rank_print(f"batch of {len(batch['input_ids'])} on rank {get_rank()}/{get_world_size()}: {text!r}")
+    return {"rank": get_rank(), "batch_size": len(batch["input_ids"]), "text": text}
 
-    def __init__(self, collator):
+
+class TokenCounter:
+    """Wraps a collator: counts the real (non-padding) and padded tokens this rank trains on, and previews
+    its first ``preview_batches`` batches (``preview_batch``), keeping the records in ``.previews``."""
+
+    def __init__(self, collator, tokenizer=None, preview_batches: int = 0):
+        if preview_batches and tokenizer is None:
+            raise ValueError("previewing batches needs the tokenizer to decode them")
         self.collator = collator
+        self.tokenizer = tokenizer
+        self.preview_batches = preview_batches
+        self.previews = []
         self.tokens = 0
         self.padded_tokens = 0
 
@@ -37,33 +58,153 @@ class TokenCounter:
         batch = self.collator(features)
         self.tokens += int(batch["attention_mask"].sum())
         self.padded_tokens += batch["attention_mask"].numel()
+        if len(self.previews) < self.preview_batches:
+            self.previews.append(preview_batch(batch, self.tokenizer))
         return batch
 
 
-def make_callbacks(run=None, device="cpu", preview_batches: int = 0, tokenizer=None):
+def tensor_bytes(tensors) -> int:
+    """Bytes held by the given tensors, as stored."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def gradient_bytes(model) -> int:
+    """Bytes of the gradients the model holds now (between backward and ``zero_grad``)."""
+    return tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the optimizer's state tensors (AdamW: two moments per trainable parameter, and a step count)."""
+    import torch
+
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
+
+
+class SavedActivations:
+    """Counts the bytes autograd keeps for backward (the activations) during one forward pass, parameters
+    excluded; each storage counts once, and counting stops when backward starts::
+
+        with SavedActivations(model) as saved:
+            loss = model(**batch).loss
+        loss.backward(); saved.bytes
+
+    Tensors kept inside a (non-reentrant) checkpointed region are not kept, so they are not counted.
+    """
+
+    def __init__(self, model):
+        import torch
+
+        self.parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen = set()
+        self.bytes = 0
+        self.backward_started = False
+        self.active = False
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor):
+        if not self.backward_started:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in self.seen and storage.data_ptr() not in self.parameter_storages:
+                self.seen.add(storage.data_ptr())
+                self.bytes += storage.nbytes()
+        return tensor
+
+    def _unpack(self, tensor):
+        self.backward_started = True
+        return tensor
+
+    def start(self):
+        self._hooks.__enter__()
+        self.active = True
+        return self
+
+    def stop(self):
+        if self.active:
+            self._hooks.__exit__(None, None, None)
+            self.active = False
+
+    __enter__ = start
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def memory_breakdown(weights: int, gradients: int, optimizer_states: int, begin: dict, end: dict,
+                     saved_activations: int | None = None) -> dict:
+    """Split a training peak into weights, gradients, optimizer states and activations (bytes).
+
+    Weights, gradients and optimizer states are measured from their tensors. Activations are what the peak
+    adds on top: the growth of memory in use from the start of training (weights already loaded) to the peak,
+    minus the gradients and optimizer states created meanwhile; temporaries (and on a CPU, allocator slack)
+    are counted with them. On a CUDA device "in use" is allocated memory; on a CPU, the process RSS.
+    ``saved_activations`` (from ``SavedActivations``) is the tensor-level count of the same thing, kept beside it.
+    """
+    in_use_at_begin = begin["allocated"] if begin.get("allocated") is not None else begin["rss"]
+    peak = peak_bytes(end)
+    return {
+        "weights": weights,
+        "gradients": gradients,
+        "optimizer_states": optimizer_states,
+        "activations": max(0, peak - in_use_at_begin - gradients - optimizer_states),
+        "saved_activations": saved_activations,
+        "peak": peak,
+    }
+
+
+def make_callbacks(run=None, device="cpu"):
     """The course's callbacks: (MemoryCallback, MetricsWriter or None).
 
-    MemoryCallback resets peak counters when training begins, snapshots memory after the first optimizer
-    step and at the end on every rank, and gathers the snapshots to rank 0 (``.report``).
+    MemoryCallback resets peak counters when training begins, snapshots memory (allocated, reserved, peak,
+    process RSS) then, after the first optimizer step and at the end, on every rank; during the first step it
+    also measures the activations saved for backward, the gradients and the optimizer states, from their
+    tensors. At the end each rank's figures, with
+    their ``memory_breakdown``, are gathered to rank 0 (``.report``: a list ordered by rank; None elsewhere).
     MetricsWriter appends each log (loss, learning rate, grad norm...) to ``run``'s metrics.jsonl on rank 0.
     """
     from transformers import TrainerCallback
 
     class MemoryCallback(TrainerCallback):
         def __init__(self):
-            self.first_step = None
-            self.report = None
+            self.begin = self.first_step = self.report = self.saved = None
+            self.gradients = self.optimizer_states = 0
 
         def on_train_begin(self, args, state, control, **kwargs):
             reset_peak(device)
+            self.begin = snapshot(device)
             self.started = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if self.saved is None:
+                self.saved = SavedActivations(model).start()
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if self.saved is not None:
+                self.saved.stop()
+
+        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            # After the step and before zero_grad: gradients are still there and the states exist.
+            if self.first_step is None:
+                self.gradients = gradient_bytes(model)
+                self.optimizer_states = optimizer_state_bytes(optimizer)
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.first_step is None:
                 self.first_step = snapshot(device)
 
-        def on_train_end(self, args, state, control, **kwargs):
-            mine = {"rank": get_rank(), "first_step": self.first_step, "end": snapshot(device)}
+        def on_train_end(self, args, state, control, model=None, **kwargs):
+            from my_utils.models import weights_bytes
+
+            if self.saved is not None:
+                self.saved.stop()
+            end = snapshot(device)
+            mine = {
+                "rank": get_rank(),
+                "begin": self.begin,
+                "first_step": self.first_step,
+                "end": end,
+                "breakdown": memory_breakdown(weights_bytes(model), self.gradients, self.optimizer_states,
+                                              self.begin, end, self.saved and self.saved.bytes),
+            }
             self.report = gather_to_rank0(mine)
 
     class MetricsWriter(TrainerCallback):
@@ -72,10 +213,3 @@ def make_callbacks(run=None, device="cpu", preview_batches: int = 0, tokenizer=N
                 run.log_metrics({"step": state.global_step, "epoch": state.epoch, "time": time.time(), **logs})
 
     return MemoryCallback(), (MetricsWriter() if run is not None else None)
-
-
-def preview_batch(batch, tokenizer, n_chars: int = 60) -> None:
-    """Print, with the rank prefix, the start of the first example of a batch: each rank sees other data."""
-    ids = batch["input_ids"][0]
-    text = tokenizer.decode(ids[batch["attention_mask"][0].bool()], skip_special_tokens=True)
-    rank_print(f"batch of {len(batch['input_ids'])} on rank {get_rank()}/{get_world_size()}: {text[:n_chars]!r}")

@@ -75,7 +75,11 @@ def preflight(num_processes: int) -> None:
             "several processes; restart the kernel and import it inside the launched function."
         )
     accelerate_state = sys.modules.get("accelerate.state")
-    if accelerate_state is not None and accelerate_state.AcceleratorState._shared_state:
+    # A PartialState (made by check_world_size, or by an Accelerator) would be inherited by the forked
+    # workers with this process's world of one.
+    if accelerate_state is not None and (
+        accelerate_state.AcceleratorState._shared_state or accelerate_state.PartialState._shared_state
+    ):
         raise UserError(
             "An Accelerator already exists in this notebook; restart the kernel and create it only inside the "
             "launched function."
@@ -94,6 +98,11 @@ def free_port(preferred: int = 29500) -> int:
     raise OSError("no free port")
 
 
+def _port(port: int | None) -> int:
+    """``port`` if it is free, else a free one (also when none was given)."""
+    return free_port(port) if port else free_port()
+
+
 def launch(function, *args, num_processes: int = 1, port: int | None = None):
     """Run ``function(*args)`` on ``num_processes`` processes from a notebook (or directly for one).
 
@@ -109,7 +118,7 @@ def launch(function, *args, num_processes: int = 1, port: int | None = None):
     if is_cpu_only():
         os.environ["ACCELERATE_USE_CPU"] = "1"
     try:
-        return notebook_launcher(function, args=args, num_processes=num_processes, use_port=str(port or free_port()))
+        return notebook_launcher(function, args=args, num_processes=num_processes, use_port=str(_port(port)))
     finally:
         if previous is None:
             os.environ.pop("ACCELERATE_USE_CPU", None)
@@ -150,7 +159,7 @@ def accelerate_command(module: str, args: list[str], *, num_processes: int = 1, 
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(config_file),
         "--num_processes", str(num_processes),
-        "--main_process_port", str(port or free_port()),
+        "--main_process_port", str(_port(port)),
         "-m", module, *map(str, args),
     ]
 

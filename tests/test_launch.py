@@ -57,3 +57,65 @@ def test_lr_scaling():
     assert scale_learning_rate(1e-3, 64, 16, "sqrt") == pytest.approx(2e-3)
     with pytest.raises(UserError, match="choose one of none, linear, sqrt"):
         scale_learning_rate(1e-3, 32, 16, "cubic")
+
+
+def test_preflight_refuses_initialised_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(UserError, match="CUDA was already initialised in this notebook"):
+        launch.preflight(2)
+
+
+@pytest.mark.parametrize("module", ["peft", "trl", "transformers.trainer"])
+def test_preflight_refuses_peft_trl_and_the_trainer(monkeypatch, module):
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    for name in launch.LAUNCH_UNSAFE_MODULES:  # other tests in this process may have imported them
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, module, object())
+    with pytest.raises(UserError, match=f"{module} is already imported"):
+        launch.preflight(2)
+
+
+@pytest.mark.parametrize("state_class", ["AcceleratorState", "PartialState"])
+def test_preflight_refuses_an_existing_accelerator(monkeypatch, state_class):
+    import accelerate.state
+
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    monkeypatch.setattr(launch, "LAUNCH_UNSAFE_MODULES", ())
+    monkeypatch.setattr(getattr(accelerate.state, state_class), "_shared_state", {"num_processes": 1})
+    with pytest.raises(UserError, match="An Accelerator already exists"):
+        launch.preflight(2)
+
+
+def test_preflight_refuses_more_processes_than_cores_before_other_checks(monkeypatch):
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", object())
+    with pytest.raises(UserError, match="3 processes asked for"):
+        launch.preflight(3)
+
+
+def test_launch_replaces_a_taken_port(monkeypatch):
+    import socket
+
+    import accelerate
+
+    seen = {}
+
+    def fake_notebook_launcher(function, args=(), num_processes=None, use_port=None):
+        seen.update(num_processes=num_processes, port=int(use_port), cpu=launch.os.environ.get("ACCELERATE_USE_CPU"))
+        return function(*args)
+
+    monkeypatch.setattr(launch, "preflight", lambda n: None)
+    monkeypatch.setattr(accelerate, "notebook_launcher", fake_notebook_launcher)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        assert launch.launch(lambda x: x + 1, 41, num_processes=2, port=taken) == 42
+        cmd = launch.accelerate_command("m", [], num_processes=2, port=taken)
+        assert cmd[cmd.index("--main_process_port") + 1] != str(taken)
+    assert seen["num_processes"] == 2 and seen["port"] != taken
+    if launch.is_cpu_only():  # the CPU trap: without it the workers would not form one world
+        assert seen["cpu"] == "1"

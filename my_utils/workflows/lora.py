@@ -11,8 +11,10 @@ One function, two launchers:
     from my_utils.launch import launch; launch(train, Config(preset="tiny"), num_processes=2)
 
 Every run writes a results folder (run.json, metrics.jsonl, summary.json, the adapter) and returns its summary:
-exact match on held-out rows before and after training, losses, runtime, samples/s, tokens/s, peak memory on
-every rank, trainable parameters and adapter size.
+exact match and a similarity score (chrF, one fixed scorer for every run) on held-out rows before and after
+training, losses, runtime, samples/s, tokens/s, memory on every rank (allocated, reserved, peak, RSS, and a
+breakdown into weights, gradients, optimizer states and activations), the first batch each rank trained on,
+trainable parameters and adapter size.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def train(cfg: Config) -> dict:
     from my_utils.callbacks import TokenCounter, gather_to_rank0, make_callbacks
     from my_utils.data import check_enough_rows, load_instructions, padding_collator, tokenize_instructions
     from my_utils.devices import device_inventory, per_rank_device, per_rank_device_map
-    from my_utils.evaluation import exact_match
+    from my_utils.evaluation import SIMILARITY_SCORER
     from my_utils.launch import check_world_size, is_cpu_only
     from my_utils.memory import peak_bytes
     from my_utils.models import add_lora, build_causal_lm, count_parameters, folder_size, load_tokenizer, set_threads
@@ -124,12 +126,14 @@ def train(cfg: Config) -> dict:
                                 device_map=per_rank_device_map() if cfg.quantize != "none" else None)
         if cfg.method == "lora":
             model = add_lora(model, cfg.rank, cfg.alpha, cfg.targets or preset.lora_targets, cfg.dropout)
+        _keep_4bit_weights_trainable(model)
         params = count_parameters(model)
         print0(f"trainable parameters: {params['trainable']:,} of {params['total']:,} "
                f"({100 * params['trainable_fraction']:.2f}%)")
 
-        before = _generation_eval(cfg, model.to(device), tokenizer, eval_rows, exact_match)
-        counter = TokenCounter(padding_collator(tokenizer))
+        before = _generation_eval(cfg, model.to(device), tokenizer, eval_rows)
+        # Wraps the collator: counts tokens, and prints (with the rank prefix) and keeps each rank's first batch.
+        counter = TokenCounter(padding_collator(tokenizer), tokenizer=tokenizer, preview_batches=1)
         memory_cb, metrics_cb = make_callbacks(run, device)
         args = TrainingArguments(
             output_dir=str(run_dir / "trainer"),
@@ -159,9 +163,10 @@ def train(cfg: Config) -> dict:
         result = trainer.train()
         runtime = time.perf_counter() - started
         tokens = sum(gather_to_rank0(counter.tokens) or [0])
+        first_batches = gather_to_rank0(counter.previews[0])
         eval_metrics = trainer.evaluate()
         model = trainer.model
-        after = _generation_eval(cfg, model, tokenizer, eval_rows, exact_match)
+        after = _generation_eval(cfg, model, tokenizer, eval_rows)
 
         summary = None
         if run is not None:
@@ -187,14 +192,20 @@ def train(cfg: Config) -> dict:
                 "train_loss_first": losses[0] if losses else None,
                 "train_loss_final": losses[-1] if losses else None,
                 "eval_loss": eval_metrics.get("eval_loss"),
-                "exact_match_before": before,
-                "exact_match_after": after,
+                "exact_match_before": (before or {}).get("exact_match"),
+                "exact_match_after": (after or {}).get("exact_match"),
+                "similarity_before": (before or {}).get("similarity"),
+                "similarity_after": (after or {}).get("similarity"),
+                "similarity_scorer": SIMILARITY_SCORER,
+                "examples_after": (after or {}).get("examples"),
                 "runtime_s": runtime,
                 "samples_per_s": steps * effective_batch / runtime,
                 "tokens_per_s": tokens / runtime,
                 "trainable_params": params["trainable"],
                 "total_params": params["total"],
                 "adapter_bytes": adapter_bytes,
+                "quantization": _quantization(model),
+                "first_batches": first_batches,
                 "memory": memory_cb.report,
                 "peak_memory_bytes": max(peak_bytes(r["end"]) for r in memory_cb.report),
             }
@@ -212,16 +223,39 @@ def _backend() -> str | None:
     return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
 
 
-def _generation_eval(cfg, model, tokenizer, rows, exact_match):
-    """Exact match on rank 0 (the other ranks wait); None when skipped."""
+def _generation_eval(cfg, model, tokenizer, rows):
+    """Exact match and similarity of greedy answers, on rank 0 (the other ranks wait); None when skipped."""
     from accelerate import PartialState
 
+    from my_utils.evaluation import answer_quality
+
     state = PartialState()
-    score = None
+    quality = None
     if not cfg.skip_generation_eval and state.is_main_process:
-        score = exact_match(model, tokenizer, rows, max_new_tokens=cfg.max_new_tokens)["exact_match"]
+        quality = answer_quality(model, tokenizer, rows, max_new_tokens=cfg.max_new_tokens)
     state.wait_for_everyone()
-    return score
+    return quality
+
+
+def _keep_4bit_weights_trainable(model) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference (AVX512-BF16 machines): it repacks
+    them in the first forward without gradients (our evaluation before training), and training on repacked
+    weights then fails. The evaluation uses the plain 4-bit kernel instead."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def _quantization(model) -> dict | None:
+    """How the base weights were quantized (bits, type, double quantization, compute dtype), or None."""
+    qconfig = getattr(model.config, "quantization_config", None)
+    if qconfig is None:
+        return None
+    q = qconfig if isinstance(qconfig, dict) else qconfig.to_dict()
+    if q.get("load_in_8bit"):
+        return {"bits": 8, "type": "int8 (LLM.int8)", "double_quant": False, "compute_dtype": None}
+    return {"bits": 4, "type": q.get("bnb_4bit_quant_type"), "double_quant": q.get("bnb_4bit_use_double_quant"),
+            "compute_dtype": str(q.get("bnb_4bit_compute_dtype"))}
 
 
 def parse_args(argv=None) -> Config:
@@ -248,7 +282,8 @@ def parse_args(argv=None) -> Config:
                    help="scale the learning rate with the effective batch")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     p.add_argument("--max-length", type=int, default=None, help="tokens per example (default: the preset's)")
-    p.add_argument("--eval-rows", type=int, default=defaults.eval_rows, help="held-out rows for exact match")
+    p.add_argument("--eval-rows", type=int, default=defaults.eval_rows,
+                   help="held-out rows for exact match and similarity")
     p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for activation memory")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--data-file", default=None, help="JSON-lines file with instruction, input, output")
@@ -256,7 +291,7 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--num-processes", type=int, default=None,
                    help="world size to expect inside each worker (default: WORLD_SIZE from the launcher)")
     p.add_argument("--random-init", action="store_true", help="random weights from the shipped config (offline)")
-    p.add_argument("--skip-generation-eval", action="store_true", help="skip exact match (faster)")
+    p.add_argument("--skip-generation-eval", action="store_true", help="skip exact match and similarity (faster)")
     args = p.parse_args(argv)
     names = {f.name for f in fields(Config)}
     values = {k: v for k, v in vars(args).items() if k in names and v is not None}

@@ -1,0 +1,81 @@
+"""The LoRA / QLoRA workflow: its command line, its checks before anything starts, and (slow) the real
+2-process launch from a shell, with and without 4-bit quantization."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from my_utils import UserError
+from my_utils.launch import REPO_ROOT, accelerate_command
+from my_utils.workflows import lora
+
+
+def test_parse_args_defaults_and_one_line_quantize_switch():
+    cfg = lora.parse_args(["--preset", "tiny"])
+    assert (cfg.method, cfg.quantize, cfg.rank, cfg.lr_scaling) == ("lora", "none", 8, "none")
+    q = lora.parse_args(["--preset", "tiny", "--quantize", "4bit", "--targets", "c_attn", "--max-steps", "3"])
+    assert (q.quantize, q.targets, q.max_steps) == ("4bit", ("c_attn",), 3)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"method": "full", "quantize": "4bit"}, "cannot be fully fine-tuned"),
+    ({"quantize": "2bit"}, "Unknown quantization '2bit'"),
+    ({"rank": 0}, "rank must be a positive integer"),
+    ({"lr_scaling": "cubic"}, "Unknown learning-rate scaling"),
+    ({"max_steps": 0}, "--max-steps must be a positive integer"),
+    ({"preset": "gtp2"}, "did you mean 'gpt2'"),
+])
+def test_bad_config_is_one_sentence(changes, message):
+    with pytest.raises(UserError, match=message):
+        lora.validate(lora.Config(**changes))
+
+
+def test_existing_output_dir_is_refused_and_left_alone(tmp_path, subprocess_env):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "keep.txt").write_text("mine")
+    out = subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", "--preset", "tiny", "--max-steps", "1",
+                          "--output-dir", str(tmp_path / "taken")], env=subprocess_env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "already exists and is never overwritten" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", ["none", "4bit"])
+def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, quantize):
+    out_dir = tmp_path / f"lora_{quantize}"
+    cmd = accelerate_command("my_utils.workflows.lora",
+                             ["--preset", "tiny", "--quantize", quantize, "--max-steps", "3", "--eval-rows", "8",
+                              "--output-dir", out_dir],
+                             num_processes=2, config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
+    proc = subprocess.run(cmd, env=subprocess_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    run = json.loads((out_dir / "run.json").read_text())
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert run["status"] == "complete"
+    assert run["world_size"] == 2 and run["backend"] == "gloo"  # as seen inside the workers
+    assert summary["world_size"] == 2 and summary["effective_batch"] == 2 * summary["batch_size_per_process"]
+    assert [m["rank"] for m in summary["memory"]] == [0, 1]
+    for m in summary["memory"]:
+        assert m["first_step"]["rss"] > 0 and m["end"]["peak_rss"] >= m["end"]["rss"]
+        assert m["breakdown"]["optimizer_states"] >= 2 * 4 * summary["trainable_params"]
+        assert m["breakdown"]["gradients"] == 4 * summary["trainable_params"]
+    assert [b["rank"] for b in summary["first_batches"]] == [0, 1]
+    assert summary["first_batches"][0]["text"] != summary["first_batches"][1]["text"]
+    assert "[rank 1/2] batch of" in proc.stdout
+    assert 0 <= summary["similarity_after"] <= 1 and summary["exact_match_after"] is not None
+    assert summary["adapter_bytes"] > 0 and (out_dir / "adapter" / "adapter_model.safetensors").is_file()
+    if quantize == "4bit":
+        assert summary["method"] == "qlora-4bit"
+        assert summary["quantization"] == {"bits": 4, "type": "nf4", "double_quant": True,
+                                           "compute_dtype": "float32"}
+        # 4-bit weights: well under the 4 bytes per parameter of the float32 model
+        assert summary["memory"][0]["breakdown"]["weights"] < 0.5 * 4 * summary["total_params"]
+    else:
+        assert summary["quantization"] is None
+        assert summary["memory"][0]["breakdown"]["weights"] >= 4 * summary["total_params"]
