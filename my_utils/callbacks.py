@@ -68,6 +68,28 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def quantization_constant_bytes(model) -> int:
+    """Bytes of bitsandbytes' quantization constants, which live beside the weights rather than in parameters
+    or buffers: 4-bit block scales (themselves quantized with double quantization) and 8-bit row scales."""
+    tensors = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        while state is not None:  # a 4-bit QuantState, then its nested state2 under double quantization
+            tensors += [t for t in (state.absmax, state.code, state.offset) if t is not None]
+            state = state.state2
+        if getattr(weight, "SCB", None) is not None:
+            tensors.append(weight.SCB)
+    return tensor_bytes({t.data_ptr(): t for t in tensors}.values())  # a table shared by layers counts once
+
+
+def model_weight_bytes(model) -> int:
+    """The weights' footprint: parameters and buffers as stored, plus quantization constants."""
+    from my_utils.models import weights_bytes
+
+    return weights_bytes(model) + quantization_constant_bytes(model)
+
+
 def gradient_bytes(model) -> int:
     """Bytes of the gradients the model holds now (between backward and ``zero_grad``)."""
     return tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
@@ -192,8 +214,6 @@ def make_callbacks(run=None, device="cpu"):
                 self.first_step = snapshot(device)
 
         def on_train_end(self, args, state, control, model=None, **kwargs):
-            from my_utils.models import weights_bytes
-
             if self.saved is not None:
                 self.saved.stop()
             end = snapshot(device)
@@ -202,7 +222,7 @@ def make_callbacks(run=None, device="cpu"):
                 "begin": self.begin,
                 "first_step": self.first_step,
                 "end": end,
-                "breakdown": memory_breakdown(weights_bytes(model), self.gradients, self.optimizer_states,
+                "breakdown": memory_breakdown(model_weight_bytes(model), self.gradients, self.optimizer_states,
                                               self.begin, end, self.saved and self.saved.bytes),
             }
             self.report = gather_to_rank0(mine)
