@@ -97,3 +97,122 @@ def check_device_map(device_map, world_size: int) -> None:
             f'device_map={device_map!r} spreads one model over several devices, which cannot be combined with '
             f"{world_size} data-parallel processes; use my_utils.devices.per_rank_device_map() instead."
         )
+
+
+def meta_model(config):
+    """The model a transformers config (or a folder with a config.json) describes, built on PyTorch's meta
+    device: every module and parameter shape, no memory, so a 7B model costs nothing."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModel
+
+    if isinstance(config, (str, os.PathLike)):
+        config = AutoConfig.from_pretrained(config)
+    architecture = getattr(transformers, (config.architectures or ["AutoModel"])[0], AutoModel)
+    with torch.device("meta"):
+        return architecture.from_config(config) if architecture is AutoModel else architecture(config)
+
+
+def layer_stack(model) -> tuple[str, list]:
+    """The model's stack of repeated blocks, as (name, blocks): the ModuleList holding the most parameters
+    (``transformer.h`` in GPT-2, ``model.decoder.layers`` in OPT, ``roberta.encoder.layer`` in RoBERTa)."""
+    import torch
+
+    stacks = [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1]
+    if not stacks:
+        raise UserError(f"{type(model).__name__} has no stack of repeated layers to split; pass a transformer model.")
+    name, blocks = max(stacks, key=lambda s: sum(p.numel() for p in s[1].parameters()))
+    return name, list(blocks)
+
+
+def _contiguous_partition(costs: list[int], parts: int) -> list[int]:
+    """Sizes of ``parts`` non-empty contiguous groups of ``costs`` that are as even as possible: the smallest sum
+    of squared group totals (a dynamic programme over where each group ends)."""
+    n = len(costs)
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest sum of squares when the first i costs form k groups; start[k][i]: where the last begins
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    start = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = best[k - 1][j] + (prefix[i] - prefix[j]) ** 2
+                if value < best[k][i]:
+                    best[k][i], start[k][i] = value, j
+    sizes, i = [], n
+    for k in range(parts, 0, -1):
+        sizes.append(i - start[k][i])
+        i = start[k][i]
+    return sizes[::-1]
+
+
+def balanced_layer_split(model_or_config, devices) -> dict:
+    """A ``device_map`` that cuts a model into ``len(devices)`` consecutive stages holding about equal numbers of
+    parameters: what a naive model-parallel split (``from_pretrained(..., device_map=...)``) or a pipeline needs.
+
+    ``model_or_config``: a model, a transformers config, or a folder with a config.json (built on the meta device,
+    so a 7B model costs nothing). ``devices``: one entry per stage, e.g. ``["cuda:0", "cuda:1"]`` or ``[0, 1]``.
+    Everything registered before the layer stack (embeddings) goes with the first stage, everything after it
+    (final norm, head) with the last; a weight shared by two modules (tied embeddings) is counted once, where it
+    first appears. Returns ``{module name: device}`` in execution order.
+    """
+    import torch
+
+    devices = list(devices)
+    model = model_or_config if isinstance(model_or_config, torch.nn.Module) else meta_model(model_or_config)
+    stack_name, blocks = layer_stack(model)
+    if not devices or len(devices) > len(blocks):
+        raise UserError(
+            f"Cannot split {len(blocks)} layers over {len(devices)} devices; give between 1 and {len(blocks)} devices."
+        )
+    seen = set()
+
+    def cost(module) -> int:
+        # unique parameters only: a tied weight belongs to the first module that holds it
+        fresh = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        return sum(p.numel() for p in fresh)
+
+    # Walk from the root down to the stack: siblings registered before the path go first, those after go last.
+    before, after = [], []
+    parent, parts = model, stack_name.split(".")
+    for depth, part in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        names = [n for n, _ in parent.named_children()]
+        for n in names[: names.index(part)]:
+            before.append(f"{prefix}.{n}" if prefix else n)
+        for n in names[names.index(part) + 1 :]:
+            after.insert(0, f"{prefix}.{n}" if prefix else n)  # outer levels run after inner ones
+        parent = getattr(parent, part)
+    modules = dict(model.named_modules())
+    before_cost = sum(cost(modules[n]) for n in before)
+    block_costs = [cost(b) for b in blocks]
+    after_cost = sum(cost(modules[n]) for n in after)
+    costs = block_costs.copy()
+    costs[0] += before_cost
+    costs[-1] += after_cost
+    sizes = _contiguous_partition(costs, len(devices))
+
+    device_map = {n: devices[0] for n in before}
+    index = 0
+    for device, size in zip(devices, sizes):
+        for _ in range(size):
+            device_map[f"{stack_name}.{index}"] = device
+            index += 1
+    device_map.update({n: devices[-1] for n in after})
+    return device_map
+
+
+def parameters_per_device(model, device_map: dict) -> dict:
+    """How many parameters each device of ``device_map`` holds (a tied weight counted once)."""
+    modules = dict(model.named_modules())
+    counts, seen = {}, set()
+    for name, device in device_map.items():
+        fresh = [p for p in modules[name].parameters() if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        counts[device] = counts.get(device, 0) + sum(p.numel() for p in fresh)
+    return counts

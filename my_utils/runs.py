@@ -138,6 +138,10 @@ class Run:
             "versions": library_versions(),
             "started": now(),
             "finished": None,
+            # the process that created the folder and its parent: shows that runs meant to be separate
+            # processes (a sweep, a memory measurement) really were
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
             **fields,
         }
         atomic_write_json(path / "run.json", info)

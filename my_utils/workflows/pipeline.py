@@ -1,0 +1,496 @@
+"""Pipeline parallelism with micro-batches, and tensor parallelism, on two or more processes.
+
+    # a shell, 2 processes on a CPU (gloo): each process holds one stage of the tiny causal LM
+    torchrun --nproc_per_node 2 -m my_utils.workflows.pipeline --preset tiny
+    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.pipeline --preset tiny --schedule 1f1b
+    # tensor parallelism: every process holds half of each feed-forward matrix of the tiny encoder
+    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.pipeline --preset tiny --mode tensor
+
+``--mode pipeline`` cuts the model into one stage per process with ``balanced_layer_split`` (stages of about equal
+parameter counts), traces it with ``torch.distributed.pipelining.pipeline`` and runs a schedule (GPipe or 1F1B)
+over micro-batches. It first checks that the pipelined forward gives the plain model's output, then trains a few
+steps and records what every stage did when: the timeline of the last step shows the pipeline's bubble.
+
+``--mode tensor`` shards the feed-forward blocks of the preset's encoder with ``ColwiseParallel`` (first matrix,
+split by output) and ``RowwiseParallel`` (second matrix, split by input, then one all-reduce), and checks the
+output against the unsharded model.
+
+Every run writes a results folder (run.json, metrics.jsonl, summary.json) with the world size each worker saw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass, fields
+
+from my_utils import UserError
+from my_utils.runs import RUNS_ROOT
+
+MODES = ("pipeline", "tensor")
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass
+class Config:
+    preset: str = "tiny"
+    mode: str = "pipeline"  # "pipeline" (one stage per process) or "tensor" (every matrix split over processes)
+    schedule: str = "gpipe"  # gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, alternating
+    microbatches: int = 4
+    batch_size: int = 16  # sequences per optimizer step, cut into ``microbatches`` micro-batches
+    seq_len: int = 64
+    steps: int = 4
+    learning_rate: float | None = None  # default: the preset's
+    seed: int = 0
+    random_init: bool = False
+    output_dir: str | None = None  # default: runs/pipeline/<preset>_<mode>
+    num_processes: int | None = None  # what the launch asked for; checked inside every worker
+
+
+def validate(cfg: Config):
+    from my_utils.presets import get_preset
+    from my_utils.training import check_positive
+
+    preset = get_preset(cfg.preset)
+    if cfg.mode not in MODES:
+        raise UserError(f"Unknown mode {cfg.mode!r}; choose one of {', '.join(MODES)}.")
+    if cfg.schedule not in SCHEDULES:
+        raise UserError(f"Unknown schedule {cfg.schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    for name in ("microbatches", "batch_size", "seq_len", "steps"):
+        check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
+    if cfg.batch_size % cfg.microbatches:
+        raise UserError(f"--batch-size {cfg.batch_size} does not split into {cfg.microbatches} equal micro-batches; "
+                        "make it a multiple of --microbatches.")
+    preset.require("causal" if cfg.mode == "pipeline" else "classifier")
+    return preset
+
+
+# ---------------------------------------------------------------------------------------------- shared pieces
+
+
+def disable_dropout(model) -> None:
+    """Set every dropout to 0, so that a pipelined and a plain forward can be compared number for number."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def pipeline_stage(model, n_stages: int, stage_index: int, device, example_args: tuple, example_kwargs=None):
+    """This process's stage of ``model`` cut into ``n_stages`` (a ``PipelineStage``), and the split's device map.
+
+    The cut points come from ``balanced_layer_split``; ``pipeline()`` traces the model with one micro-batch of
+    example inputs (so every micro-batch must have that shape) and keeps the original parameters, so the stage
+    trains the very weights of ``model``.
+    """
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from my_utils.devices import balanced_layer_split
+
+    device_map = balanced_layer_split(model, range(n_stages))
+    starts = {}
+    for name, stage in device_map.items():
+        starts.setdefault(stage, name)
+    split_spec = {starts[s]: SplitPoint.BEGINNING for s in range(1, n_stages)}
+    pipe = pipeline(model, mb_args=example_args, mb_kwargs=example_kwargs or {}, split_spec=split_spec)
+    return pipe.build_stage(stage_index, device), device_map
+
+
+def make_schedule(name: str, stage, microbatches: int, loss_fn=None):
+    """A GPipe or 1F1B schedule over ``stage`` (gradients averaged over micro-batches, as for one whole batch)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stage, n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+def record_timeline(stage, events: list) -> None:
+    """Append ``{kind, microbatch, start, end}`` to ``events`` each time ``stage`` computes a micro-batch's forward
+    or backward (communication waits are outside these calls, so the gaps are idle time)."""
+
+    def timed(kind, method):
+        def wrapper(chunk, *args, **kwargs):
+            start = time.time()  # wall clock: comparable between processes of one machine
+            try:
+                return method(chunk, *args, **kwargs)
+            finally:
+                events.append({"kind": kind, "microbatch": chunk, "start": start, "end": time.time()})
+
+        return wrapper
+
+    stage.forward_one_chunk = timed("forward", stage.forward_one_chunk)
+    stage.backward_one_chunk = timed("backward", stage.backward_one_chunk)
+
+
+def busy_fraction(events: list[dict], start: float, end: float) -> float:
+    """The share of [start, end] a lane spent computing."""
+    return sum(e["end"] - e["start"] for e in events) / (end - start)
+
+
+def concurrent_time(lanes: dict[str, list[dict]]) -> float:
+    """Seconds during which two or more lanes computed at once (0 for a naive split, > 0 for a pipeline)."""
+    edges = sorted((t, step) for events in lanes.values() for e in events for t, step in ((e["start"], 1), (e["end"], -1)))
+    busy, total, previous = 0, 0.0, None
+    for t, step in edges:
+        if busy >= 2:
+            total += t - previous
+        busy, previous = busy + step, t
+    return total
+
+
+def naive_split_timeline(model, device_map: dict, batches) -> dict[str, list[dict]]:
+    """Run ``model`` on ``batches`` and time each stage of ``device_map``: what a naive model-parallel split does
+    on several devices (stage after stage, one busy at a time), measured here on one device.
+
+    Returns ``{"stage <device>": [{kind, microbatch, start, end}, ...]}``: a forward pre-hook on a stage's first
+    module starts its interval, a forward hook on its last module ends it.
+    """
+    import torch
+
+    modules = dict(model.named_modules())
+    stages: dict = {}
+    for name, device in device_map.items():
+        stages.setdefault(device, []).append(name)
+    lanes = {f"stage {d}": [] for d in stages}
+    current = {}
+    handles = []
+    for device, names in stages.items():
+        lane = f"stage {device}"
+        handles.append(modules[names[0]].register_forward_pre_hook(lambda m, a, lane=lane: current.update({lane: time.time()})))
+        handles.append(modules[names[-1]].register_forward_hook(
+            lambda m, a, o, lane=lane: lanes[lane].append(
+                {"kind": "forward", "microbatch": current["batch"], "start": current[lane], "end": time.time()})))
+    try:
+        with torch.no_grad():
+            for i, batch in enumerate(batches):
+                current["batch"] = i
+                model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return lanes
+
+
+def plot_timeline(lanes: dict[str, list[dict]], path, title: str):
+    """A Gantt chart: one row per stage or rank, a bar per forward (blue) or backward (orange), numbered by
+    micro-batch; white space is idle time."""
+    from my_utils.plots import new_figure, save
+
+    t0 = min(e["start"] for events in lanes.values() for e in events)
+    fig = new_figure(9, 1.0 + 0.7 * len(lanes))
+    ax = fig.add_subplot()
+    colors = {"forward": "C0", "backward": "C1"}
+    for row, (lane, events) in enumerate(lanes.items()):
+        for e in events:
+            left, width = (e["start"] - t0) * 1000, (e["end"] - e["start"]) * 1000
+            ax.barh(row, width, left=left, color=colors[e["kind"]], edgecolor="white")
+            ax.text(left + width / 2, row, str(e["microbatch"]), ha="center", va="center", color="white",
+                    fontsize="small")
+    ax.set_yticks(range(len(lanes)), list(lanes))
+    ax.invert_yaxis()
+    ax.set(xlabel="time (ms)", title=title)
+    from matplotlib.patches import Patch
+
+    kinds = [k for k in colors if any(e["kind"] == k for events in lanes.values() for e in events)]
+    ax.legend(handles=[Patch(color=colors[k], label=k) for k in kinds], loc="upper right", fontsize="small")
+    return save(fig, path)
+
+
+def lm_loss(logits, labels):
+    """Next-token cross-entropy: position t predicts token t + 1."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+
+
+def token_blocks(preset, tokenizer, n_blocks: int, seq_len: int):
+    """``n_blocks`` sequences of ``seq_len`` tokens cut from the preset's instruction texts laid end to end
+    (no padding, so every micro-batch has the same shape and the same number of tokens)."""
+    import torch
+
+    from my_utils.data import format_example, load_instructions
+
+    rows, _ = load_instructions(preset.instruction_data)
+    stream: list[int] = []
+    for row in rows:
+        stream += tokenizer(format_example(row, tokenizer.eos_token), add_special_tokens=False)["input_ids"]
+        if len(stream) >= n_blocks * seq_len:
+            break
+    if len(stream) < n_blocks * seq_len:
+        raise UserError(f"The data holds {len(stream)} tokens, fewer than {n_blocks} x {seq_len}; lower --steps or --seq-len.")
+    return torch.tensor(stream[: n_blocks * seq_len]).view(n_blocks, seq_len)
+
+
+# ---------------------------------------------------------------------------------------------- the workflow
+
+
+def train(cfg: Config) -> dict:
+    """Run the pipeline or tensor-parallel experiment; returns the summary on every rank (rank 0 writes it)."""
+    from my_utils.launch import check_world_size
+    from my_utils.models import set_threads
+
+    preset = validate(cfg)
+    world_size = check_world_size(cfg.num_processes)
+    if world_size < 2:
+        raise UserError(f"--mode {cfg.mode} splits the model over processes but this run has one; "
+                        "launch it with torchrun --nproc_per_node 2 or accelerate launch --num_processes 2.")
+    set_threads()
+    return (_train_pipeline if cfg.mode == "pipeline" else _tensor_parallel)(cfg, preset, world_size)
+
+
+def _train_pipeline(cfg: Config, preset, world_size: int) -> dict:
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    from transformers import set_seed
+
+    from my_utils.callbacks import gather_to_rank0
+    from my_utils.devices import device_inventory, per_rank_device
+    from my_utils.memory import peak_bytes, reset_peak, snapshot
+    from my_utils.models import build_causal_lm, load_tokenizer
+    from my_utils.printing import print0, rank_print
+    from my_utils.training import open_run, recorded
+
+    set_seed(cfg.seed)
+    rank, device = dist.get_rank(), per_rank_device()
+    tokenizer = load_tokenizer(preset)
+    data = token_blocks(preset, tokenizer, cfg.batch_size * (cfg.steps + 1), cfg.seq_len)
+    check_batch, train_batches = data[: cfg.batch_size], data[cfg.batch_size :].split(cfg.batch_size)
+    run, run_dir = open_run(cfg.output_dir, RUNS_ROOT / "pipeline" / f"{cfg.preset}_{cfg.mode}", asdict(cfg),
+                            world_size=world_size, backend=dist.get_backend(), devices=device_inventory())
+    with recorded(run):
+        model = build_causal_lm(preset, random_init=cfg.random_init)
+        model.config.use_cache = False  # a key-value cache is for generation, and cannot be traced
+        disable_dropout(model)
+        # The plain model's output and loss on the check batch: what the pipeline must reproduce.
+        with torch.no_grad():
+            reference = model(input_ids=check_batch).logits
+        reference_loss = float(lm_loss(reference, check_batch))
+        micro = cfg.batch_size // cfg.microbatches
+        stage, device_map = pipeline_stage(model, world_size, rank, torch.device(device), (check_batch[:micro],))
+        del model  # each process keeps only its stage's weights
+        gc.collect()
+        stage_params = sum(p.numel() for p in stage.submod.parameters())
+        my_modules = [name for name, s in device_map.items() if s == rank]
+        rank_print(f"stage {rank}: {my_modules[0]} .. {my_modules[-1]}, {stage_params:,} parameters")
+
+        # 1. Forward only: the last stage's output and loss must equal the plain model's.
+        schedule = make_schedule(cfg.schedule, stage, cfg.microbatches, loss_fn=lm_loss)
+        check_losses: list = []
+        with torch.no_grad():
+            if stage.is_last:
+                output = schedule.eval(target=check_batch.to(device), losses=check_losses)
+            else:
+                schedule.eval(*((check_batch.to(device),) if stage.is_first else ()))
+        max_abs_diff = float((output.cpu() - reference).abs().max()) if stage.is_last else None
+        pipelined_loss = float(torch.stack(check_losses).mean()) if stage.is_last else None
+
+        # 2. Training steps: every process updates only its own stage.
+        learning_rate = cfg.learning_rate or preset.learning_rate
+        optimizer = torch.optim.AdamW([p for p in stage.submod.parameters() if p.requires_grad], lr=learning_rate)
+        events: list[dict] = []
+        record_timeline(stage, events)
+        losses, step_times = [], []
+        reset_peak(device)
+        started = time.perf_counter()
+        for step, batch in enumerate(train_batches, start=1):
+            events.clear()  # keep the last step's timeline
+            dist.barrier()
+            step_start = time.time()
+            micro_losses: list = []
+            args = (batch.to(device),) if stage.is_first else ()
+            kwargs = {"target": batch.to(device), "losses": micro_losses} if stage.is_last else {}
+            schedule.step(*args, **kwargs)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_times.append((step_start, time.time()))
+            if stage.is_last:
+                losses.append(float(torch.stack(micro_losses).detach().mean()))
+        runtime = time.perf_counter() - started
+        mine = {
+            "rank": rank,
+            "world_size_seen": dist.get_world_size(),
+            "modules": my_modules,
+            "parameters": stage_params,
+            "max_abs_diff": max_abs_diff,
+            "pipelined_loss": pipelined_loss,
+            "losses": losses,
+            "timeline": events,
+            "step": step_times[-1],
+            "memory": {"rank": rank, "end": snapshot(device)},
+        }
+        reports = gather_to_rank0(mine)
+        summary = None
+        if run is not None:
+            last = reports[-1]
+            step_start, step_end = min(r["step"][0] for r in reports), max(r["step"][1] for r in reports)
+            for i, loss in enumerate(last["losses"], start=1):
+                run.log_metrics({"step": i, "loss": loss})
+            summary = {
+                "workflow": "pipeline",
+                "mode": "pipeline",
+                "preset": cfg.preset,
+                "schedule": cfg.schedule,
+                "world_size": world_size,
+                "world_sizes_seen": [r["world_size_seen"] for r in reports],
+                "backend": dist.get_backend(),
+                "microbatches": cfg.microbatches,
+                "batch_size": cfg.batch_size,
+                "seq_len": cfg.seq_len,
+                "steps": len(train_batches),
+                "stage_modules": [r["modules"] for r in reports],
+                "stage_parameters": [r["parameters"] for r in reports],
+                "max_abs_diff": last["max_abs_diff"],
+                "reference_loss": reference_loss,
+                "pipelined_loss": last["pipelined_loss"],
+                "train_loss_first": last["losses"][0],
+                "train_loss_final": last["losses"][-1],
+                "runtime_s": runtime,
+                "samples_per_s": len(train_batches) * cfg.batch_size / runtime,
+                # GPipe's idle share with S stages and M micro-batches (equal stages, no communication)
+                "bubble_fraction_theory": (world_size - 1) / (cfg.microbatches + world_size - 1),
+                "busy_fraction": [busy_fraction(r["timeline"], step_start, step_end) for r in reports],
+                "timeline": {f"rank {r['rank']}": r["timeline"] for r in reports},
+                "timeline_window": [step_start, step_end],
+                "memory": [r["memory"] for r in reports],
+                "peak_memory_bytes": max(peak_bytes(r["memory"]["end"]) for r in reports),
+            }
+            run.finish(summary)
+            print0(f"pipelined output vs plain model: max |difference| {summary['max_abs_diff']:.2e}")
+            print0(f"results folder: {run_dir}")
+        dist.barrier()
+    return summary
+
+
+def feed_forward_pairs(model) -> list[tuple[str, str]]:
+    """(widening, narrowing) Linear pairs of the model's feed-forward blocks: per layer, a Linear whose output is
+    wider than its input, then the Linear that maps that width back. Between them is only an activation, which
+    is what makes column-then-row sharding exact."""
+    import torch
+
+    from my_utils.devices import layer_stack
+
+    stack_name, blocks = layer_stack(model)
+    pairs = []
+    for i, block in enumerate(blocks):
+        linears = [(n, m) for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
+        for n_up, up in linears:
+            if up.out_features > up.in_features:
+                down = [n for n, m in linears if m.in_features == up.out_features and m.out_features == up.in_features]
+                if down:
+                    pairs.append((f"{stack_name}.{i}.{n_up}", f"{stack_name}.{i}.{down[0]}"))
+    if not pairs:
+        raise UserError(f"{type(model).__name__} has no torch.nn.Linear feed-forward pairs to shard (GPT-2 uses Conv1D); "
+                        "use a preset whose classifier is a BERT/RoBERTa-style encoder.")
+    return pairs
+
+
+def _tensor_parallel(cfg: Config, preset, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import set_seed
+
+    from my_utils.callbacks import gather_to_rank0
+    from my_utils.data import load_classification
+    from my_utils.devices import device_inventory, per_rank_device
+    from my_utils.memory import peak_bytes, snapshot
+    from my_utils.models import build_classifier, load_tokenizer
+    from my_utils.printing import print0, rank_print
+    from my_utils.training import open_run, recorded
+
+    set_seed(cfg.seed)
+    rank, device = dist.get_rank(), per_rank_device()
+    tokenizer = load_tokenizer(preset, role="classifier")
+    rows, _, labels = load_classification(preset.classification_data, eval_rows=1)
+    batch = tokenizer([r["text"] for r in rows[: cfg.batch_size]], padding=True, return_tensors="pt").to(device)
+    run, run_dir = open_run(cfg.output_dir, RUNS_ROOT / "pipeline" / f"{cfg.preset}_{cfg.mode}", asdict(cfg),
+                            world_size=world_size, backend=dist.get_backend(), devices=device_inventory())
+    with recorded(run):
+        model = build_classifier(preset, len(labels), random_init=cfg.random_init).to(device).eval()
+        with torch.no_grad():
+            reference = model(**batch).logits
+        pairs = feed_forward_pairs(model)
+        mesh = init_device_mesh(torch.device(device).type, (world_size,))
+        plan = {}
+        for up, down in pairs:
+            plan[up] = ColwiseParallel()  # each process computes a slice of the hidden features
+            plan[down] = RowwiseParallel()  # each process multiplies its slice; an all-reduce sums the parts
+        parallelize_module(model, mesh, plan)
+        started = time.perf_counter()
+        with torch.no_grad():
+            output = model(**batch).logits
+        runtime = time.perf_counter() - started
+        modules = dict(model.named_modules())
+        shapes = {name: list(modules[name].weight.to_local().shape) for pair in pairs for name in pair}
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+        rank_print(f"holds {local:,} parameters; {pairs[0][0]} weight here: {shapes[pairs[0][0]]}")
+        mine = {"rank": rank, "world_size_seen": dist.get_world_size(), "local_parameters": local,
+                "local_shapes": shapes, "max_abs_diff": float((output - reference).abs().max()),
+                "memory": {"rank": rank, "end": snapshot(device)}}
+        reports = gather_to_rank0(mine)
+        summary = None
+        if run is not None:
+            summary = {
+                "workflow": "pipeline",
+                "mode": "tensor",
+                "preset": cfg.preset,
+                "world_size": world_size,
+                "world_sizes_seen": [r["world_size_seen"] for r in reports],
+                "backend": dist.get_backend(),
+                "sharded_pairs": pairs,
+                "full_shapes": {name: [m.out_features, m.in_features] for name, m in
+                                ((n, modules[n]) for pair in pairs for n in pair)},
+                "local_shapes": [r["local_shapes"] for r in reports],
+                "total_parameters": sum(p.numel() for p in model.parameters()),
+                "local_parameters": [r["local_parameters"] for r in reports],
+                "max_abs_diff": max(r["max_abs_diff"] for r in reports),
+                "runtime_s": runtime,
+                "memory": [r["memory"] for r in reports],
+                "peak_memory_bytes": max(peak_bytes(r["memory"]["end"]) for r in reports),
+            }
+            run.finish(summary)
+            print0(f"tensor-parallel output vs plain model: max |difference| {summary['max_abs_diff']:.2e}")
+            print0(f"results folder: {run_dir}")
+        dist.barrier()
+    return summary
+
+
+def parse_args(argv=None) -> Config:
+    p = argparse.ArgumentParser(
+        prog="python -m my_utils.workflows.pipeline",
+        description="Pipeline parallelism (one model stage per process, micro-batches, GPipe or 1F1B) or tensor "
+        "parallelism (each matrix split over processes). Needs 2+ processes: torchrun --nproc_per_node 2 -m "
+        "my_utils.workflows.pipeline ..., or accelerate launch --config_file configs/cpu_x2.yaml -m ...",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d = Config()
+    p.add_argument("--preset", default=d.preset, help="tiny (offline CPU), gpt2, opt-350m; roberta-large for tensor")
+    p.add_argument("--mode", default=d.mode, choices=MODES)
+    p.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help="pipeline schedule")
+    p.add_argument("--microbatches", type=int, default=d.microbatches, help="micro-batches per step")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps after the output check")
+    p.add_argument("--learning-rate", type=float, default=None, help="default: the preset's")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--random-init", action="store_true", help="random weights from the shipped config (offline)")
+    p.add_argument("--output-dir", default=None, help="results folder (must not exist)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="world size to expect inside each worker (default: WORLD_SIZE from the launcher)")
+    args = p.parse_args(argv)
+    names = {f.name for f in fields(Config)}
+    return Config(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+
+def main(argv=None) -> dict:
+    from my_utils.cli import run_main
+
+    return run_main(lambda: train(parse_args(argv)), prefix="pipeline")
+
+
+if __name__ == "__main__":
+    main()

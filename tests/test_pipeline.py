@@ -1,0 +1,116 @@
+"""Layer splits balanced by parameter count, the naive split's timeline, and the pipeline / tensor-parallel
+workflow on two gloo processes: outputs equal to the plain model's, world size checked inside each worker."""
+
+import pytest
+
+from my_utils import UserError
+from my_utils.devices import _contiguous_partition, balanced_layer_split, layer_stack, meta_model, parameters_per_device
+
+
+def small_gpt2(vocab=5000, layers=6):
+    from transformers import GPT2Config
+
+    return meta_model(GPT2Config(vocab_size=vocab, n_layer=layers, n_embd=64, n_head=4, n_positions=64,
+                                 architectures=["GPT2LMHeadModel"]))
+
+
+def test_contiguous_partition_is_even_and_keeps_order():
+    assert _contiguous_partition([5, 1, 1, 1, 1, 5], 2) == [3, 3]
+    assert _contiguous_partition([10, 1, 1, 1], 2) == [1, 3]
+    assert _contiguous_partition([1] * 6, 3) == [2, 2, 2]
+    assert sum(_contiguous_partition([3, 1, 4, 1, 5, 9, 2, 6], 4)) == 8
+
+
+def test_balanced_split_covers_every_parameter_in_order():
+    model = small_gpt2()
+    device_map = balanced_layer_split(model, ["cuda:0", "cuda:1", "cuda:2"])
+    stack, blocks = layer_stack(model)
+    assert stack == "transformer.h" and len(blocks) == 6
+    assert list(device_map)[:2] == ["transformer.wte", "transformer.wpe"] and list(device_map)[-1] == "lm_head"
+    assert list(dict.fromkeys(device_map.values())) == ["cuda:0", "cuda:1", "cuda:2"], "consecutive, non-empty stages"
+    counts = parameters_per_device(model, device_map)
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert sum(counts.values()) == sum(unique.values())
+
+
+def test_balanced_split_beats_equal_layer_counts_when_embeddings_are_large():
+    model = small_gpt2(vocab=20000, layers=8)  # embeddings 1.3M parameters, layers 50k each
+    balanced = parameters_per_device(model, balanced_layer_split(model, [0, 1]))
+    equal = {n: (0 if not n.startswith("transformer.h.") or int(n.rsplit(".", 1)[1]) < 4 else 1)
+             for n in balanced_layer_split(model, [0, 1])}
+    equal = {**equal, "lm_head": 1, "transformer.ln_f": 1}
+    assert max(balanced.values()) < max(parameters_per_device(model, equal).values())
+
+
+def test_balanced_split_from_a_config_folder_matches_the_model_names():
+    from my_utils.presets import get_preset
+
+    folder = get_preset("tiny").offline_config["causal"]
+    names = dict(meta_model(folder).named_modules())
+    device_map = balanced_layer_split(folder, ["cuda:0", "cuda:1"])
+    assert set(device_map) <= set(names)
+
+
+def test_more_devices_than_layers_is_refused():
+    with pytest.raises(UserError, match="Cannot split 6 layers over 7 devices"):
+        balanced_layer_split(small_gpt2(), list(range(7)))
+
+
+def test_naive_split_runs_one_stage_at_a_time():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from my_utils.workflows.pipeline import concurrent_time, naive_split_timeline
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_layer=4, n_embd=32, n_head=2, n_positions=32)).eval()
+    device_map = balanced_layer_split(model, ["a", "b"])
+    lanes = naive_split_timeline(model, device_map, [{"input_ids": torch.randint(0, 100, (2, 16))}] * 3)
+    assert set(lanes) == {"stage a", "stage b"}
+    assert all(len(events) == 3 for events in lanes.values())
+    assert concurrent_time(lanes) == 0
+    # a synthetic overlap is counted
+    overlap = {"x": [{"start": 0.0, "end": 2.0}], "y": [{"start": 1.0, "end": 3.0}], "z": [{"start": 2.0, "end": 4.0}]}
+    assert concurrent_time(overlap) == pytest.approx(2.0)
+
+
+def test_bad_pipeline_config_is_refused_before_anything_runs():
+    from my_utils.workflows.pipeline import Config, validate
+
+    with pytest.raises(UserError, match="multiple of --microbatches"):
+        validate(Config(batch_size=10, microbatches=4))
+    with pytest.raises(UserError, match="Unknown schedule"):
+        validate(Config(schedule="zero-bubble"))
+
+
+def _launch(tmp_path, subprocess_env, args):
+    from my_utils.launch import accelerate_command, run_command
+    from my_utils.runs import load_run
+
+    out = tmp_path / "run"
+    cmd = accelerate_command("my_utils.workflows.pipeline",
+                             ["--preset", "tiny", "--num-processes", 2, "--output-dir", out, *args], num_processes=2)
+    run_command(cmd, env=subprocess_env)
+    run = load_run(out)
+    assert run["run"]["status"] == "complete"
+    return run["summary"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_output_equals_the_plain_model(tmp_path, subprocess_env, schedule):
+    s = _launch(tmp_path, subprocess_env, ["--schedule", schedule, "--steps", 2, "--batch-size", 8, "--seq-len", 32])
+    assert s["world_sizes_seen"] == [2, 2]
+    assert s["max_abs_diff"] < 1e-4
+    assert s["pipelined_loss"] == pytest.approx(s["reference_loss"], abs=1e-4)
+    assert len(s["stage_modules"]) == 2 and s["stage_modules"][0][0] == "transformer.wte"
+    assert all(len(events) == 2 * s["microbatches"] for events in s["timeline"].values())
+
+
+@pytest.mark.slow
+def test_tensor_parallel_output_equals_the_plain_model(tmp_path, subprocess_env):
+    s = _launch(tmp_path, subprocess_env, ["--mode", "tensor", "--batch-size", 4])
+    assert s["world_sizes_seen"] == [2, 2]
+    assert s["max_abs_diff"] < 1e-4
+    up, down = s["sharded_pairs"][0]
+    assert s["local_shapes"][1][up] == [s["full_shapes"][up][0] // 2, s["full_shapes"][up][1]]
+    assert s["local_shapes"][1][down] == [s["full_shapes"][down][0], s["full_shapes"][down][1] // 2]
