@@ -329,7 +329,7 @@ def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = {}
-    if any("loss" in m for r in comparison.runs for m in r["metrics"]):
+    if any(sum("loss" in m for m in r["metrics"]) > 1 for r in comparison.runs):  # a curve needs two points
         files["Loss curves"] = plots.loss_curves(comparison.runs, comparison.labels, out / "loss_curves.png")
     if any(r["summary"].get("memory") for r in comparison.runs):
         files["Peak memory per device"] = plots.memory_bars(comparison.runs, comparison.labels, out / "memory.png")
