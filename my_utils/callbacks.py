@@ -33,11 +33,12 @@ def gather_to_rank0(obj) -> list | None:
 
 def preview_batch(batch, tokenizer, n_chars: int = 60) -> dict:
     """Print, with the rank prefix, the start of the first example of a batch (each rank sees other data);
-    returns what was printed as a record: rank, batch size, text."""
+    returns what was printed as a record: rank, batch size, padded length, text."""
     ids = batch["input_ids"][0]
     text = tokenizer.decode(ids[batch["attention_mask"][0].bool()], skip_special_tokens=True)[:n_chars]
-    rank_print(f"batch of {len(batch['input_ids'])} on rank {get_rank()}/{get_world_size()}: {text!r}")
-    return {"rank": get_rank(), "batch_size": len(batch["input_ids"]), "text": text}
+    size, length = batch["input_ids"].shape
+    rank_print(f"batch of {size} x {length} tokens on rank {get_rank()}/{get_world_size()}: {text!r}")
+    return {"rank": get_rank(), "batch_size": size, "seq_len": length, "text": text}
 
 
 class TokenCounter:

@@ -31,8 +31,8 @@ def test_token_counter_counts_and_previews_the_first_batches(capsys, monkeypatch
     counter(["hello", "hi"])
     counter(["second"])
     assert (counter.tokens, counter.padded_tokens) == (7 + 6, 10 + 6)
-    assert counter.previews == [{"rank": 1, "batch_size": 2, "text": "hello"}]
-    assert capsys.readouterr().out == "[rank 1/2] batch of 2 on rank 1/2: 'hello'\n"
+    assert counter.previews == [{"rank": 1, "batch_size": 2, "seq_len": 5, "text": "hello"}]
+    assert capsys.readouterr().out == "[rank 1/2] batch of 2 x 5 tokens on rank 1/2: 'hello'\n"
     with pytest.raises(ValueError, match="needs the tokenizer"):
         TokenCounter(pad_collator, preview_batches=1)
 

@@ -67,7 +67,7 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, quantize):
         assert m["breakdown"]["gradients"] == 4 * summary["trainable_params"]
     assert [b["rank"] for b in summary["first_batches"]] == [0, 1]
     assert summary["first_batches"][0]["text"] != summary["first_batches"][1]["text"]
-    assert "[rank 1/2] batch of" in proc.stdout
+    assert "[rank 1/2] batch of 16 x" in proc.stdout
     assert 0 <= summary["similarity_after"] <= 1 and summary["exact_match_after"] is not None
     assert summary["adapter_bytes"] > 0 and (out_dir / "adapter" / "adapter_model.safetensors").is_file()
     if quantize == "4bit":
