@@ -8,6 +8,7 @@ Run a step with ``python -m my_utils.workflows.accelerate_steps.<step> --help``.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -144,7 +145,14 @@ def jsonl_tracker(run_dir):
     return JsonlTracker(run_dir)
 
 
-def run_step(loop, cfg: Config, step_name: str) -> dict:
+def module_name(function) -> str:
+    """The importable name of the module defining ``function``, also when it runs as ``python -m`` (__main__)."""
+    module = sys.modules[function.__module__]
+    spec = getattr(module, "__spec__", None)
+    return spec.name if spec is not None else function.__module__
+
+
+def run_step(loop, cfg: Config) -> dict:
     """Open the results folder, run ``loop(cfg, run_dir)`` (a step's training loop, which returns the per-batch
     losses averaged over processes and the seconds it trained), and write the summary. Returns the summary on
     every rank (on rank 0 only once the loop has closed the process group)."""
@@ -160,6 +168,7 @@ def run_step(loop, cfg: Config, step_name: str) -> dict:
     from my_utils.training import open_run, recorded
     from my_utils.workflows.ddp_common import backend, worker_report, write_worker_report
 
+    step_name = module_name(loop)
     validate(cfg)
     world_size = check_world_size(cfg.num_processes)
     threads = set_threads()
@@ -236,8 +245,9 @@ def parse_args(argv, prog: str) -> Config:
     return Config(**values)
 
 
-def main_for(train, argv, module: str) -> dict:
+def main_for(train, argv) -> dict:
     """The ``main`` of a step module: parse the command line and run ``train`` with one-sentence errors."""
     from my_utils.cli import run_main
 
+    module = module_name(train)
     return run_main(lambda: train(parse_args(argv, prog=f"python -m {module}")), prefix=module.rsplit(".", 1)[-1])

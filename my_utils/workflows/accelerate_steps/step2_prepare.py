@@ -49,11 +49,11 @@ def training_loop(cfg: Config, run_dir) -> dict:
 
 def train(cfg: Config) -> dict:
     """Run the training loop into a results folder; returns its summary."""
-    return run_step(training_loop, cfg, __name__)
+    return run_step(training_loop, cfg)
 
 
 def main(argv=None) -> dict:
-    return main_for(train, argv, __name__)
+    return main_for(train, argv)
 
 
 if __name__ == "__main__":
