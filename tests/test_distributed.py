@@ -92,6 +92,7 @@ def test_two_machines_on_localhost(tmp_path, subprocess_env):
     workers = _workers(run_dir)
     assert [w["world_size"] for w in workers] == [2, 2]
     assert [(w["rank"], w["node_rank"], w["local_rank"]) for w in workers] == [(0, 0, 0), (1, 1, 0)]
+    assert all(w["device_map"] == {"": per_rank_device(w["local_rank"])} for w in workers)
     assert all(w["model_device"] == per_rank_device(w["local_rank"]) for w in workers)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"] == "gloo"
@@ -113,6 +114,7 @@ LAUNCHES = [
     ("torchrun", "my_utils.workflows.ddp"),
     ("accelerate", "my_utils.workflows.ddp_trainer"),
     ("torchrun", "my_utils.workflows.ddp_trainer"),
+    ("notebook_launcher", "my_utils.workflows.ddp_trainer"),
 ]
 
 

@@ -140,9 +140,9 @@ def train(cfg: Config) -> dict:
     with recorded(run):
         # Every process holds the whole model, on the device of its local rank (its index on this machine).
         device = per_rank_device()
-        model = build_model(preset, random_init=cfg.random_init, dropout=cfg.dropout,
-                            device_map=per_rank_device_map())
-        report = worker_report(model)
+        device_map = per_rank_device_map()
+        model = build_model(preset, random_init=cfg.random_init, dropout=cfg.dropout, device_map=device_map)
+        report = worker_report(model, device_map=device_map)
         write_worker_report(run_dir, report)
         rank_print(f"world size {report['world_size']}, backend {report['backend']}, model on {report['model_device']}")
         # DDP broadcasts rank 0's weights to every process, then all-reduces gradients during backward().

@@ -8,7 +8,7 @@ two processes with batch b equals one process with batch 2b, and why tokens/s is
 
 Dropout is set to 0 by default so that runs are reproducible and processes do not draw different random masks.
 
-    python -c "from my_utils.workflows.ddp_common import *; print(describe_blocks('tiny', 128))"
+    python -m my_utils.workflows.ddp_common        # how many blocks the tiny preset makes, and the first one
 """
 
 from __future__ import annotations
@@ -110,13 +110,6 @@ def block_dataset(preset, max_length: int) -> list[dict]:
     return [{"input_ids": block, "labels": block} for block in pack_blocks(train_rows, tokenizer, max_length)]
 
 
-def describe_blocks(preset_name: str, max_length: int) -> str:
-    from my_utils.presets import get_preset
-
-    blocks = block_dataset(get_preset(preset_name), max_length)
-    return f"{len(blocks)} blocks of {max_length} tokens"
-
-
 def backend() -> str | None:
     """The torch.distributed backend in use (gloo on CPUs, nccl on GPUs), None without a process group."""
     import torch.distributed as dist
@@ -165,3 +158,13 @@ def throughput(steps_timed: int, global_batch: int, max_length: int, seconds: fl
         "samples_per_s": samples / seconds if seconds > 0 else None,
         "tokens_per_s": samples * max_length / seconds if seconds > 0 else None,
     }
+
+
+if __name__ == "__main__":
+    from my_utils.models import load_tokenizer
+    from my_utils.presets import get_preset
+
+    tiny = get_preset("tiny")
+    blocks = block_dataset(tiny, 128)
+    print(f"{len(blocks)} blocks of 128 tokens; the first one:\n")
+    print(load_tokenizer(tiny).decode(blocks[0]["input_ids"]))
