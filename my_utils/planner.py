@@ -44,6 +44,7 @@ TRAINABLE_BYTES = 4  # trainable parameters and their gradients are fp32 (LoRA a
 CUDA_CONTEXT = 600 * MiB  # CUDA context, cuBLAS workspace: on the device but outside torch's allocated bytes
 # Usable memory of common GPUs, as torch reports it (a few percent under the marketing figure).
 DEVICES = {
+    "RTX-3070": 7.8 * GiB,
     "T4": 14.6 * GiB,
     "V100-16GB": 15.8 * GiB,
     "V100-32GB": 31.7 * GiB,
@@ -130,7 +131,8 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
         if role == "causal":
             model = AutoModelForCausalLM.from_config(config)
         else:
-            model = AutoModelForSequenceClassification.from_config(config, num_labels=2)
+            config.num_labels = 2  # the head's size barely matters; two classes as in the classification lesson
+            model = AutoModelForSequenceClassification.from_config(config)
     skip = get_keys_to_not_convert(model)
     linears, quantizable = {}, []
     for module_name, module in model.named_modules():
@@ -363,7 +365,8 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
             edges += tokens * arch.hidden * dtype_bytes  # the input of the (trainable) output layer
     return Plan(preset=arch.name, method=method if method != "qlora" else f"qlora-{quantize}", dtype=dtype,
                 rank=rank if method != "full" else None, batch=batch, seq=seq, processes=processes,
-                gradient_checkpointing=gradient_checkpointing, total_params=arch.total_params + lora,
+                gradient_checkpointing=gradient_checkpointing,
+                total_params=arch.total_params + (trainable if method != "full" else 0),  # + adapters, head copy
                 trainable_params=trainable, weights=weights, gradients=gradients, optimizer=optimizer,
                 activations=layers + edges)
 
