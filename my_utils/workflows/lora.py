@@ -285,6 +285,7 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--eval-rows", type=int, default=defaults.eval_rows,
                    help="held-out rows for exact match and similarity")
     p.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for activation memory")
+    p.add_argument("--logging-steps", type=int, default=defaults.logging_steps, help="log the loss every N steps")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--data-file", default=None, help="JSON-lines file with instruction, input, output")
     p.add_argument("--output-dir", default=None, help="results folder (must not exist)")
