@@ -173,3 +173,12 @@ def test_ddp_config_errors_are_one_sentence():
         validate(Config(max_steps=2, warmup_steps=2))
     with pytest.raises(UserError, match="Unknown learning-rate scaling"):
         validate(Config(lr_scaling="cubic"))
+
+
+@pytest.mark.slow
+def test_a_batch_larger_than_the_data_stops_before_writing(tmp_path, subprocess_env):
+    target = tmp_path / "never"
+    out = _run([sys.executable, "-m", "my_utils.workflows.ddp", *TINY, "--batch-size", "100000", "--output-dir",
+                target], subprocess_env, expect_ok=False)
+    assert out.returncode == 2 and "fewer than one global batch of 100000" in out.stderr
+    assert not target.exists()

@@ -81,6 +81,7 @@ def train(cfg: Config) -> dict:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
+    from my_utils.data import check_enough_rows
     from my_utils.devices import device_inventory
     from my_utils.launch import check_world_size
     from my_utils.memory import reset_peak, snapshot
@@ -98,6 +99,7 @@ def train(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)
     learning_rate = cfg.learning_rate or default_learning_rate(preset)
     dataset = block_dataset(preset, cfg.max_length)
+    check_enough_rows(len(dataset), cfg.batch_size)
     name = f"{cfg.preset}_{'cuda_x' + str(len(gpus)) if gpus else 'cpu'}"
     run, run_dir = open_run(cfg.output_dir, RUNS_ROOT / "data_parallel" / name, asdict(cfg),
                             workflow="data_parallel", world_size=1, backend=None, devices=device_inventory(),

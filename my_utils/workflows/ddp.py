@@ -113,6 +113,7 @@ def train(cfg: Config) -> dict:
     from tqdm.auto import tqdm
 
     from my_utils.callbacks import gather_to_rank0
+    from my_utils.data import check_enough_rows
     from my_utils.devices import device_inventory, local_rank, per_rank_device, per_rank_device_map
     from my_utils.launch import check_world_size
     from my_utils.memory import reset_peak, snapshot
@@ -134,6 +135,7 @@ def train(cfg: Config) -> dict:
                                         preset.batch_size, cfg.lr_scaling)
 
     dataset = block_dataset(preset, cfg.max_length)
+    check_enough_rows(len(dataset), global_batch)
     run, run_dir = open_run(cfg.output_dir, RUNS_ROOT / "ddp" / f"{cfg.preset}_x{world_size}", asdict(cfg),
                             workflow="ddp", world_size=world_size, backend=backend(), devices=device_inventory(),
                             threads_per_process=threads)
@@ -152,11 +154,6 @@ def train(cfg: Config) -> dict:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed,
                                      drop_last=True)
         loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
-        if len(loader) < cfg.grad_accum:
-            from my_utils import UserError
-
-            raise UserError(f"Each process gets {len(loader)} batches per epoch, fewer than --grad-accum "
-                            f"{cfg.grad_accum}; lower --batch-size or the number of processes.")
         optimizer = make_optimizer(cfg.optimizer, model.parameters(), learning_rate)
         print0(f"{len(dataset)} blocks of {cfg.max_length} tokens; global batch {global_batch} = {cfg.batch_size} "
                f"x {cfg.grad_accum} accumulation x {world_size} processes; learning rate {learning_rate:g}")

@@ -13,6 +13,7 @@ Dropout is set to 0 by default so that runs are reproducible and processes do no
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -96,15 +97,22 @@ def pack_blocks(rows, tokenizer, block_length: int):
 
 def block_dataset(preset, max_length: int) -> list[dict]:
     """The preset's instruction training rows as packed blocks: a list of {"input_ids", "labels"} (labels are the
-    inputs; the model shifts them by one), usable by a DataLoader and by the Trainer."""
+    inputs; the model shifts them by one), usable by a DataLoader and by the Trainer. Cached per preset and
+    length: treat it as read-only."""
+    return _block_dataset(preset.name, max_length)
+
+
+@functools.lru_cache(maxsize=4)
+def _block_dataset(preset_name: str, max_length: int) -> list[dict]:
+    from my_utils import UserError
     from my_utils.data import load_instructions
     from my_utils.models import load_tokenizer
+    from my_utils.presets import get_preset
 
+    preset = get_preset(preset_name)
     tokenizer = load_tokenizer(preset)
     limit = getattr(tokenizer, "model_max_length", None)
     if limit and limit < 10**9 and max_length > limit:
-        from my_utils import UserError
-
         raise UserError(f"--max-length {max_length} is longer than the model allows ({limit}); use {limit} or less.")
     train_rows, _ = load_instructions(preset.instruction_data, eval_rows=1)
     return [{"input_ids": block, "labels": block} for block in pack_blocks(train_rows, tokenizer, max_length)]

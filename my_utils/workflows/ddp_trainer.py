@@ -27,6 +27,7 @@ def train(cfg: Config) -> dict:
     from transformers import Trainer, TrainingArguments
 
     from my_utils.callbacks import make_callbacks
+    from my_utils.data import check_enough_rows
     from my_utils.devices import device_inventory, per_rank_device, per_rank_device_map
     from my_utils.launch import check_world_size, is_cpu_only
     from my_utils.models import set_threads
@@ -42,6 +43,7 @@ def train(cfg: Config) -> dict:
     learning_rate = scale_learning_rate(cfg.learning_rate or default_learning_rate(preset), global_batch,
                                         preset.batch_size, cfg.lr_scaling)
     dataset = block_dataset(preset, cfg.max_length)
+    check_enough_rows(len(dataset), global_batch)
     run, run_dir = open_run(cfg.output_dir, RUNS_ROOT / "ddp_trainer" / f"{cfg.preset}_x{world_size}", asdict(cfg),
                             workflow="ddp_trainer", world_size=world_size, backend=backend(),
                             devices=device_inventory(), threads_per_process=threads)

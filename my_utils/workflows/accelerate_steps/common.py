@@ -161,16 +161,18 @@ def run_step(loop, cfg: Config) -> dict:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
+    from my_utils.data import check_enough_rows
     from my_utils.devices import device_inventory
     from my_utils.launch import check_world_size
     from my_utils.models import set_threads
     from my_utils.printing import print0, rank_print
     from my_utils.training import open_run, recorded
-    from my_utils.workflows.ddp_common import backend, worker_report, write_worker_report
+    from my_utils.workflows.ddp_common import backend, block_dataset, worker_report, write_worker_report
 
     step_name = module_name(loop)
-    validate(cfg)
+    preset = validate(cfg)
     world_size = check_world_size(cfg.num_processes)
+    check_enough_rows(len(block_dataset(preset, cfg.max_length)), cfg.batch_size * cfg.grad_accum * world_size)
     threads = set_threads()
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)
     short = step_name.rsplit(".", 1)[-1]
