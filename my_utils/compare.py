@@ -5,7 +5,7 @@
     python -m my_utils compare runs/run_1_cpu_x2 runs/run_2_cuda_x4 --out comparison/   # + PNG plots
 
 Only folders whose run.json says ``complete`` and that have a summary.json enter a table; the others (running,
-failed, interrupted, unreadable, no summary) are listed by name with their status. Runs whose library versions
+failed, interrupted, unreadable, no summary, no training figures) are listed by name with their status. Runs whose library versions
 or git commit differ from the others are marked, because their figures are not strictly comparable.
 
 Speedup: runs that differ only by their number of processes (same workflow, hardware and configuration) form
@@ -27,6 +27,8 @@ from my_utils.runs import find_run_dirs, load_run
 # Configuration keys that do not make two runs different experiments: the process count is what a speedup
 # varies, and the output folder is where the run was written.
 NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir"})
+# A summary with none of these is not a training run (e.g. the demo's own record of notebook timings).
+TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
 VERSIONS_MARK = "†"
 COMMIT_MARK = "‡"
 
@@ -66,10 +68,12 @@ def load_runs(*paths) -> tuple[list[dict], list[dict]]:
                           "reason": f"unreadable ({type(e).__name__})"})
             continue
         status = run["run"].get("status")
-        if status == "complete" and isinstance(run["summary"], dict) and run["summary"]:
+        summary = run["summary"] if isinstance(run["summary"], dict) else {}
+        if status == "complete" and any(k in summary for k in TRAINING_KEYS):
             complete.append(run)
         else:
-            run["reason"] = status if status != "complete" else "complete, but no summary.json"
+            run["reason"] = (status if status != "complete" else
+                             "complete, but no summary.json" if not summary else "complete, no training figures")
             other.append(run)
     return complete, other
 
@@ -150,7 +154,7 @@ def describe(run: dict) -> str:
     if s.get("rank"):
         parts.append(f"r{s['rank']}")
     parts.append(hardware(run).split(" @ ")[0])
-    return " ".join(str(p) for p in parts if p)
+    return " ".join(dict.fromkeys(str(p) for p in parts if p))  # "lora tiny lora" -> "lora tiny"
 
 
 def speedup_groups(runs: list[dict]) -> list[tuple[str, list[dict], float | None]]:

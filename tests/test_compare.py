@@ -70,7 +70,7 @@ def test_only_complete_runs_enter_the_tables(results):
 
 def test_speedup_groups_runs_that_differ_only_by_process_count(results):
     c = compare.compare(results)
-    assert list(c.speedup_groups.values()) == [[(1, 1.0), (2, pytest.approx(1.6))]]
+    assert c.speedup_groups == {"lora tiny r8 Test CPU": [(1, 1.0), (2, pytest.approx(1.6))]}
     rows = table(c, "Speedup").rows
     header = table(c, "Speedup").header
     by_run = {r[header.index("run")]: r for r in rows}
@@ -107,9 +107,11 @@ def test_unreadable_and_summaryless_folders_are_listed(tmp_path):
     (tmp_path / "broken" / "run.json").write_text('{"status": "compl')
     run = fake_run(tmp_path / "no_summary", finish=False)
     run.update(status="complete")
+    Run.create(tmp_path / "demo", config={}).finish({"notebook_seconds": {"00_setup.ipynb": 3.0}})
     c = compare.compare(tmp_path)
     assert [c.labels[r["path"]] for r in c.runs] == ["ok"]
-    assert dict(c.left_out) == {"broken": "unreadable (JSONDecodeError)", "no_summary": "complete, but no summary.json"}
+    assert dict(c.left_out) == {"broken": "unreadable (JSONDecodeError)", "no_summary": "complete, but no summary.json",
+                                "demo": "complete, no training figures"}
 
 
 def test_markdown_and_output_folder(results, tmp_path):
