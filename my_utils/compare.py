@@ -5,8 +5,9 @@
     python -m my_utils compare runs/run_1_cpu_x2 runs/run_2_cuda_x4 --out comparison/   # + PNG plots
 
 Only folders whose run.json says ``complete`` and that have a summary.json enter a table; the others (running,
-failed, interrupted, unreadable, no summary, no training figures) are listed by name with their status. Runs whose library versions
-or git commit differ from the others are marked, because their figures are not strictly comparable.
+failed, interrupted, unreadable, no summary, no training figures) are listed by name with their status. Runs
+whose library versions or git commit differ from the others are marked, because their figures are not strictly
+comparable.
 
 Speedup: runs that differ only by their number of processes (same workflow, hardware and configuration) form
 a group; each run's samples/s is divided by the group's 1-process samples/s and set against the ideal (the
