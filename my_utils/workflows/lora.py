@@ -87,7 +87,6 @@ def validate(cfg: Config):
 
 def train(cfg: Config) -> dict:
     """Fine-tune and evaluate; returns the summary (on every rank; rank 0 also writes it)."""
-    import torch
     from transformers import Trainer, TrainingArguments, set_seed
 
     from my_utils.callbacks import TokenCounter, gather_to_rank0, make_callbacks
