@@ -195,7 +195,8 @@ def _arrow(before, after, fmt: str = "{:.3f}") -> str:
 def _drop_empty_columns(table: Table) -> Table:
     """Leave out columns that no run fills (other workflows report other figures)."""
     keep = [i for i in range(len(table.header)) if i == 0 or any(r[i] != "-" for r in table.rows)]
-    return Table(table.title, [table.header[i] for i in keep], [[r[i] for i in keep] for r in table.rows], table.caption)
+    return Table(table.title, [table.header[i] for i in keep], [[r[i] for i in keep] for r in table.rows],
+                 table.caption)
 
 
 def runs_table(runs, name) -> Table:
@@ -258,7 +259,8 @@ def quality_table(runs, name) -> Table:
     rows = []
     for r in runs:
         s = r["summary"]
-        rows.append([name(r), _arrow(s.get("train_loss_first"), s.get("train_loss_final")), _num(s.get("eval_loss"), "{:.3f}"),
+        rows.append([name(r), _arrow(s.get("train_loss_first"), s.get("train_loss_final")),
+                     _num(s.get("eval_loss"), "{:.3f}"),
                      _arrow(s.get("exact_match_before"), s.get("exact_match_after"), "{:.2f}"),
                      _arrow(s.get("similarity_before"), s.get("similarity_after"), "{:.2f}"),
                      _arrow(s.get("accuracy_before"), s.get("accuracy_after"), "{:.2f}"),
@@ -310,11 +312,13 @@ def render(comparison: Comparison, markdown: bool = False, images: dict[str, str
     parts = []
     for t in comparison.tables:
         if markdown:
-            parts.append(f"### {t.title}\n\n{markdown_table(t.header, t.rows)}" + (f"\n\n{t.caption}" if t.caption else ""))
+            parts.append(f"### {t.title}\n\n{markdown_table(t.header, t.rows)}"
+                         + (f"\n\n{t.caption}" if t.caption else ""))
         else:
             parts.append(f"{t.title}\n{text_table(t.header, t.rows)}" + (f"\n({t.caption})" if t.caption else ""))
     if images:
-        parts.append("\n".join(f"![{title}]({file})" if markdown else f"{title}: {file}" for title, file in images.items()))
+        parts.append("\n".join(f"![{title}]({file})" if markdown else f"{title}: {file}"
+                                for title, file in images.items()))
     lines = [f"not compared ({reason}): {label}" for label, reason in comparison.left_out] + comparison.notes
     if lines:
         parts.append("\n".join(f"- {x}" for x in lines) if markdown else "\n".join(lines))
