@@ -203,12 +203,13 @@ def _role_of(name: str) -> str:
     return "other"
 
 
-def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, kept: dict[str, int], *,
+def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, kept: dict[str, float], *,
                       input_bytes: int | None = None, device: str = "cuda", rank: int = 0) -> float:
     """Bytes autograd keeps for one transformer layer until the backward pass.
 
-    ``kept`` counts, per projection ('qkv', 'out', 'up', 'down'), the layers whose input is saved because their
-    weight trains (full fine-tuning) or carries an adapter (LoRA); a frozen layer keeps nothing of its input.
+    ``kept`` counts, per projection ('qkv', 'out', 'up', 'down') and per block, the layers whose input is saved
+    because their weight trains (full fine-tuning) or carries an adapter (LoRA); a frozen layer keeps nothing of
+    its input.
     Those inputs are kept at ``input_bytes`` per element (peft casts a bf16 input to its fp32 adapters: one
     copy per adapter; otherwise the layers reading one tensor share it). Two things depend on the ``device``:
     a fused attention kernel keeps only its inputs, output and one number per head and query, but on a CPU
