@@ -68,7 +68,7 @@ def test_ddp_equals_one_process_with_the_global_batch(tmp_path, subprocess_env):
     assert moved > 1e-3, "training did not change the weights: the comparison below would prove nothing"
     assert _max_difference(_weights(ddp), trained) < 1e-5
     assert _max_difference(_weights(accumulated), trained) < 1e-5
-    losses = [json.loads((d / "summary.json").read_text())["loss_final"] for d in (ddp, big, accumulated)]
+    losses = [json.loads((d / "summary.json").read_text())["train_loss_final"] for d in (ddp, big, accumulated)]
     assert losses == pytest.approx([losses[1]] * 3, rel=1e-4)
 
 
@@ -136,7 +136,7 @@ def test_every_worker_sees_the_world_size_asked_for(launcher, module, tmp_path, 
     assert [w["rank"] for w in workers] == [0, 1] and {w["backend"] for w in workers} == {"gloo"}
     assert len({w["pid"] for w in workers}) == 2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["global_batch"] == 4 and summary["tokens_per_s"] > 0
+    assert summary["world_size"] == 2 and summary["effective_batch"] == 4 and summary["tokens_per_s"] > 0
 
 
 @pytest.mark.slow

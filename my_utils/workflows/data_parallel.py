@@ -84,7 +84,7 @@ def train(cfg: Config) -> dict:
     from my_utils.data import check_enough_rows
     from my_utils.devices import device_inventory
     from my_utils.launch import check_world_size
-    from my_utils.memory import reset_peak, snapshot
+    from my_utils.memory import peak_bytes, reset_peak, snapshot
     from my_utils.models import set_threads
     from my_utils.printing import print0
     from my_utils.training import open_run, recorded
@@ -120,6 +120,7 @@ def train(cfg: Config) -> dict:
         for device in gpus or ["cpu"]:
             reset_peak(f"cuda:{device}" if gpus else device)
         losses, batches = [], iter(())
+        loop_started = time.perf_counter()
         for step in tqdm(range(1, cfg.max_steps + 1), desc="data_parallel"):
             if step == warmup + 1:
                 started = time.perf_counter()
@@ -140,6 +141,7 @@ def train(cfg: Config) -> dict:
             if run is not None and (step % cfg.log_every == 0 or step == cfg.max_steps):
                 run.log_metrics({"step": step, "loss": losses[-1], "time": time.time()})
         elapsed = time.perf_counter() - started
+        runtime = time.perf_counter() - loop_started
         memory = [snapshot(f"cuda:{g}") for g in gpus] or [snapshot("cpu")]
 
         summary = {
@@ -151,13 +153,16 @@ def train(cfg: Config) -> dict:
             "devices_used": [f"cuda:{g}" for g in gpus] or ["cpu"],
             "chunk_sizes": split if gpus else [cfg.batch_size],
             "batch_size": cfg.batch_size,
+            "effective_batch": cfg.batch_size,
             "max_length": cfg.max_length,
             "learning_rate": learning_rate,
             "steps": cfg.max_steps,
-            "loss_first": losses[0],
-            "loss_final": losses[-1],
+            "train_loss_first": losses[0],
+            "train_loss_final": losses[-1],
+            "runtime_s": runtime,
             **throughput(cfg.max_steps - warmup, cfg.batch_size, cfg.max_length, elapsed),
-            "memory": memory,
+            "memory": [{"rank": 0, "end": m} for m in memory],
+            "peak_memory_bytes": max(peak_bytes(m) for m in memory),
         }
         run.finish(summary)
         print0(f"results folder: {run_dir}")

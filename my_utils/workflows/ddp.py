@@ -116,7 +116,7 @@ def train(cfg: Config) -> dict:
     from my_utils.data import check_enough_rows
     from my_utils.devices import device_inventory, local_rank, per_rank_device, per_rank_device_map
     from my_utils.launch import check_world_size
-    from my_utils.memory import reset_peak, snapshot
+    from my_utils.memory import peak_bytes, reset_peak, snapshot
     from my_utils.models import set_threads
     from my_utils.printing import print0, rank_print
     from my_utils.training import open_run, recorded, scale_learning_rate
@@ -162,9 +162,10 @@ def train(cfg: Config) -> dict:
         losses = []
         reset_peak(device)
         model.train()
+        loop_started = time.perf_counter()
         for step in tqdm(range(1, cfg.max_steps + 1), desc="ddp", disable=rank != 0):
             if step == warmup + 1:
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
             step_loss = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
                 batch = {k: v.to(device) for k, v in next(stream).items()}
@@ -182,7 +183,11 @@ def train(cfg: Config) -> dict:
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - started
-        memory = gather_to_rank0({"rank": rank, "end": snapshot(device)})
+        runtime = time.perf_counter() - loop_started
+        # CPU seconds of this process (all its threads, gloo's included) over the timed steps: on a shared machine
+        # they tell the work done apart from the time spent waiting for a core.
+        per_rank = gather_to_rank0({"rank": rank, "end": snapshot(device),
+                                    "cpu_seconds": time.process_time() - cpu_started})
 
         summary = None
         if run is not None:
@@ -194,14 +199,17 @@ def train(cfg: Config) -> dict:
                 "threads_per_process": threads,
                 "batch_size_per_process": cfg.batch_size,
                 "grad_accum": cfg.grad_accum,
-                "global_batch": global_batch,
+                "effective_batch": global_batch,
                 "max_length": cfg.max_length,
                 "learning_rate": learning_rate,
                 "steps": cfg.max_steps,
-                "loss_first": losses[0],
-                "loss_final": losses[-1],
+                "train_loss_first": losses[0],
+                "train_loss_final": losses[-1],
+                "runtime_s": runtime,
                 **throughput(cfg.max_steps - warmup, global_batch, cfg.max_length, elapsed),
-                "memory": memory,
+                "cpu_seconds_per_rank": [r["cpu_seconds"] for r in per_rank],
+                "memory": per_rank,
+                "peak_memory_bytes": max(peak_bytes(r["end"]) for r in per_rank),
             }
             if cfg.save_model:
                 model.module.save_pretrained(run_dir / "model", safe_serialization=True)

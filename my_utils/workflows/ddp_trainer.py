@@ -30,6 +30,7 @@ def train(cfg: Config) -> dict:
     from my_utils.data import check_enough_rows
     from my_utils.devices import device_inventory, per_rank_device, per_rank_device_map
     from my_utils.launch import check_world_size, is_cpu_only
+    from my_utils.memory import peak_bytes
     from my_utils.models import set_threads
     from my_utils.printing import print0, rank_print
     from my_utils.training import open_run, recorded, scale_learning_rate
@@ -91,15 +92,17 @@ def train(cfg: Config) -> dict:
                 "threads_per_process": threads,
                 "batch_size_per_process": cfg.batch_size,
                 "grad_accum": cfg.grad_accum,
-                "global_batch": global_batch,
+                "effective_batch": global_batch,
                 "max_length": cfg.max_length,
                 "learning_rate": learning_rate,
                 "steps": trainer.state.global_step,
-                "loss_first": losses[0] if losses else None,
-                "loss_final": losses[-1] if losses else None,
+                "train_loss_first": losses[0] if losses else None,
+                "train_loss_final": losses[-1] if losses else None,
                 # the Trainer's own timer includes its set-up: this one covers every step (no warm-up cut)
+                "runtime_s": elapsed,
                 **throughput(trainer.state.global_step, global_batch, cfg.max_length, elapsed),
                 "memory": memory_cb.report,
+                "peak_memory_bytes": max(peak_bytes(r["end"]) for r in memory_cb.report),
             }
             if cfg.save_model:
                 trainer.model.save_pretrained(run_dir / "model", safe_serialization=True)

@@ -199,10 +199,12 @@ def run_step(loop, cfg: Config) -> dict:
                 "batch_size_per_process": cfg.batch_size,
                 "mixed_precision": cfg.mixed_precision,
                 "grad_accum": cfg.grad_accum,
+                "effective_batch": cfg.batch_size * cfg.grad_accum * world_size,
                 "batches": len(losses),
-                "loss_first": losses[0],
-                "loss_final": losses[-1],
+                "train_loss_first": losses[0],
+                "train_loss_final": losses[-1],
                 "losses": losses,
+                "runtime_s": result["seconds"],
                 **throughput(len(losses), cfg.batch_size * world_size, cfg.max_length, result["seconds"]),
             }
             run.finish(summary)
