@@ -81,7 +81,8 @@ def quantization_constant_bytes(model) -> int:
             state = state.state2
         if getattr(weight, "SCB", None) is not None:
             tensors.append(weight.SCB)
-    return tensor_bytes({t.data_ptr(): t for t in tensors}.values())  # a table shared by layers counts once
+    # a tensor reached twice (a code table shared by layers, a LoRA wrapper's base weight) counts once
+    return tensor_bytes({t.data_ptr(): t for t in tensors}.values())
 
 
 def model_weight_bytes(model) -> int:
@@ -111,7 +112,8 @@ class SavedActivations:
             loss = model(**batch).loss
         loss.backward(); saved.bytes
 
-    Tensors kept inside a (non-reentrant) checkpointed region are not kept, so they are not counted.
+    Inside a (non-reentrant) checkpointed region autograd keeps nothing (it recomputes instead), so nothing
+    there is counted.
     """
 
     def __init__(self, model):
