@@ -2,7 +2,7 @@
 
 - DDP over 2 processes with batch b ends with the same weights as 1 process with batch 2b, and as 1 process
   accumulating 2 batches of b;
-- two machines simulated on localhost (two torchrun agents, one process each) form one world, each process
+- two machines simulated on localhost (two torchrun launches, one process each) form one world, each process
   placing the model on its local rank's device;
 - notebook_launcher (my_utils.launch.launch), `accelerate launch` and `torchrun` each start workers that see the
   world size asked for (every worker writes what it sees into the results folder).
