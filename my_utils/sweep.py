@@ -28,6 +28,11 @@ DEFAULT_RANKS = {"tiny": (1, 2, 4, 8, 16, 32)}
 REAL_MODEL_RANKS = (8, 128, 256)
 # The workflow's other arguments when none are given: few steps on the tiny model, so that a sweep takes a minute.
 DEFAULT_ARGS = {"tiny": {"max_steps": 20, "eval_rows": 40}}
+# Environment for a process whose peak resident memory is compared with another's. glibc raises its mmap
+# threshold each time a large block is freed, so later large blocks come from a heap that keeps freed memory:
+# the peak then depends on the order of frees and moves by 20 MiB between identical runs. A fixed threshold
+# returns every large block to the system when freed (identical runs then agree within 1 MiB).
+STEADY_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 @dataclass
@@ -127,7 +132,7 @@ def run_sweep(spec: SweepSpec, out: str | Path) -> list[dict]:
             bar.write(f"rank {rank}: the earlier run was {status}; kept as {moved.name}, running it again")
         bar.set_postfix(rank=rank)
         # The child's own progress bars would interleave with the sweep's, so they are switched off.
-        run_command(rank_command(spec, rank, folder), env=clean_env(TQDM_DISABLE=1))
+        run_command(rank_command(spec, rank, folder), env=clean_env(TQDM_DISABLE=1, **STEADY_MEMORY_ENV))
     return load_sweep(out)
 
 
@@ -188,13 +193,17 @@ def plot_sweep(rows: list[dict], out: str | Path) -> list[Path]:
     paths = [save(fig, out / "loss_curves.png")]
 
     fig = new_figure(10, 6)
-    panels = [("trainable_params", "trainable parameters", 1), ("adapter_bytes", "adapter file (MiB)", MiB),
-              ("peak_memory_bytes", "peak memory (MiB)", MiB), ("runtime_s", "training time (s)", 1),
-              ("samples_per_s", "samples/s", 1), ("exact_match", "exact match after training", 1)]
+    # (summary key, title, unit, log scale): parameters and adapter size grow linearly with the rank, a straight
+    # line of slope 1 on log-log axes
+    panels = [("trainable_params", "trainable parameters", 1, True), ("adapter_bytes", "adapter file (MiB)", MiB, True),
+              ("peak_memory_bytes", "peak memory (MiB)", MiB, False), ("runtime_s", "training time (s)", 1, False),
+              ("samples_per_s", "samples/s", 1, False), ("exact_match", "exact match after training", 1, False)]
     ranks = [r["rank"] for r in rows]
-    for ax, (key, title, unit) in zip(fig.subplots(2, 3).flat, panels):
+    for ax, (key, title, unit, log) in zip(fig.subplots(2, 3).flat, panels):
         ax.plot(ranks, [r[key] / unit if r[key] is not None else float("nan") for r in rows], marker="o")
         ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
         ax.set_xticks(ranks, [str(k) for k in ranks])
         ax.set(xlabel="LoRA rank", title=title)
         ax.grid(alpha=0.3)
@@ -210,13 +219,21 @@ def tradeoffs(rows: list[dict]) -> list[str]:
         return ["Only one rank finished; a trade-off needs at least two."]
     small, large = rows[0], rows[-1]
     a, b = f"rank {small['rank']}", f"rank {large['rank']}"
-    sentences = [
-        f"{b} trains {large['trainable_params'] / small['trainable_params']:.1f}x more parameters than {a} "
-        f"({large['trainable_params']:,} vs {small['trainable_params']:,})"
-        + (f" for {large['exact_match'] - small['exact_match']:+.2f} exact match "
-           f"({small['exact_match']:.2f} -> {large['exact_match']:.2f})."
-           if small["exact_match"] is not None and large["exact_match"] is not None else "."),
-        f"Its adapter file is {large['adapter_bytes'] / small['adapter_bytes']:.1f}x larger "
+    sentence = (f"{b} trains {large['trainable_params'] / small['trainable_params']:.1f}x more parameters than {a} "
+                f"({large['trainable_params']:,} vs {small['trainable_params']:,})")
+    if small["exact_match"] is not None and large["exact_match"] is not None:
+        sentence += (f" for {large['exact_match'] - small['exact_match']:+.2f} exact match "
+                     f"({small['exact_match']:.2f} -> {large['exact_match']:.2f})")
+    sentences = [sentence + "."]
+    if small["train_loss_final"] is not None and large["train_loss_final"] is not None:
+        faster = large["train_loss_final"] < small["train_loss_final"]
+        sentences.append(
+            f"After the same number of steps the training loss is {large['train_loss_final']:.3f} at {b} and "
+            f"{small['train_loss_final']:.3f} at {a}: the larger rank "
+            f"{'fitted the training data faster' if faster else 'did not fit the training data faster'}."
+        )
+    sentences += [
+        f"The adapter file of {b} is {large['adapter_bytes'] / small['adapter_bytes']:.1f}x larger "
         f"({format_bytes(large['adapter_bytes'])} vs {format_bytes(small['adapter_bytes'])}): the cost of storing "
         "and shipping one adapter per task.",
         f"Peak memory {'grows' if large['peak_memory_bytes'] >= small['peak_memory_bytes'] else 'changes'} by "
@@ -232,11 +249,15 @@ def tradeoffs(rows: list[dict]) -> list[str]:
         best = max(scored, key=lambda r: (r["exact_match"], -r["rank"]))
         # the smallest rank whose quality is within 0.02 of the best: beyond it, extra rank buys little
         enough = min((r for r in scored if r["exact_match"] >= best["exact_match"] - 0.02), key=lambda r: r["rank"])
-        sentences.append(
-            f"Best exact match: rank {best['rank']} ({best['exact_match']:.2f}); the smallest rank within 0.02 of it "
-            f"is rank {enough['rank']} ({enough['exact_match']:.2f}), which trains "
-            f"{enough['trainable_params'] / best['trainable_params']:.2f}x the parameters of the best."
-        )
+        if enough is best:
+            sentences.append(f"Best exact match: rank {best['rank']} ({best['exact_match']:.2f}); no smaller rank "
+                             "comes within 0.02 of it.")
+        else:
+            sentences.append(
+                f"Best exact match: rank {best['rank']} ({best['exact_match']:.2f}); rank {enough['rank']} comes within "
+                f"0.02 of it ({enough['exact_match']:.2f}) with {enough['trainable_params'] / best['trainable_params']:.2f}x "
+                "its trainable parameters."
+            )
     return sentences
 
 

@@ -77,7 +77,7 @@ def test_tradeoff_sentences_come_from_the_rows(tmp_path):
     rows = sweep.load_sweep(tmp_path)
     sentences = sweep.tradeoffs(rows)
     assert sentences[0].startswith("rank 4 trains 4.0x more parameters than rank 1 (400 vs 100) for +0.30 exact match")
-    assert "Best exact match: rank 4 (0.40)" in sentences[-1]
+    assert sentences[-1] == "Best exact match: rank 4 (0.40); no smaller rank comes within 0.02 of it."
     text = sweep.report(tmp_path)
     assert (tmp_path / "loss_curves.png").is_file() and (tmp_path / "rank_tradeoffs.png").is_file()
     assert "rank 4 trains" in text and (tmp_path / "report.md").read_text().strip() == text
