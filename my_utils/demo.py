@@ -37,18 +37,21 @@ def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    previous = os.environ.get("COURSE_RUN_ROOT")
+    previous = {k: os.environ.get(k) for k in ("COURSE_RUN_ROOT", "PYTHONPATH")}
     os.environ["COURSE_RUN_ROOT"] = str(run_root)
+    # The kernel is a new process: make this checkout importable there even without `pip install -e .`.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), previous["PYTHONPATH"]]))
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
     started = time.perf_counter()
     try:
         client.execute()
     finally:
         nbformat.write(nb, out_path)
-        if previous is None:
-            os.environ.pop("COURSE_RUN_ROOT", None)
-        else:
-            os.environ["COURSE_RUN_ROOT"] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return time.perf_counter() - started
 
 
