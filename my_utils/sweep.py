@@ -27,7 +27,7 @@ WORKFLOW = "my_utils.workflows.lora"
 DEFAULT_RANKS = {"tiny": (1, 2, 4, 8, 16, 32)}
 REAL_MODEL_RANKS = (8, 128, 256)
 # The workflow's other arguments when none are given: few steps on the tiny model, so that a sweep takes a minute.
-DEFAULT_ARGS = {"tiny": {"max_steps": 20, "eval_rows": 40}}
+DEFAULT_ARGS = {"tiny": {"max_steps": 20, "eval_rows": 40, "logging_steps": 2}}
 # Environment for a process whose peak resident memory is compared with another's. glibc raises its mmap
 # threshold each time a large block is freed, so later large blocks come from a heap that keeps freed memory:
 # the peak then depends on the order of frees and moves by 20 MiB between identical runs. A fixed threshold

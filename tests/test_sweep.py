@@ -87,7 +87,7 @@ def test_tradeoff_sentences_come_from_the_rows(tmp_path):
 def test_each_rank_trains_in_its_own_process(tmp_path, subprocess_env, monkeypatch):
     for key in ("PYTHONPATH", "OMP_NUM_THREADS", "HF_HOME"):
         monkeypatch.setenv(key, subprocess_env[key])
-    spec = sweep.SweepSpec(ranks=(1, 8), args={"max_steps": 2, "eval_rows": 4})
+    spec = sweep.SweepSpec(ranks=(1, 8), args={"max_steps": 2, "eval_rows": 4, "logging_steps": 1})
     rows = sweep.run_sweep(spec, tmp_path / "sweep")
     assert [r["rank"] for r in rows] == [1, 8]
     pids = [r["pid"] for r in rows]
@@ -95,5 +95,6 @@ def test_each_rank_trains_in_its_own_process(tmp_path, subprocess_env, monkeypat
     assert all(r["ppid"] == os.getpid() for r in rows), "started by this process, one at a time"
     assert rows[1]["trainable_params"] == 8 * rows[0]["trainable_params"]
     assert rows[1]["adapter_bytes"] > rows[0]["adapter_bytes"]
+    assert all([step for step, _ in r["loss_curve"]] == [1, 2] for r in rows), "the loss curve comes from metrics.jsonl"
     again = sweep.run_sweep(spec, tmp_path / "sweep")
     assert [r["pid"] for r in again] == pids, "a second run re-trains nothing"
