@@ -253,10 +253,10 @@ def tradeoffs(rows: list[dict]) -> list[str]:
             sentences.append(f"Best exact match: rank {best['rank']} ({best['exact_match']:.2f}); no smaller rank "
                              "comes within 0.02 of it.")
         else:
+            share = enough["trainable_params"] / best["trainable_params"]
             sentences.append(
-                f"Best exact match: rank {best['rank']} ({best['exact_match']:.2f}); rank {enough['rank']} comes within "
-                f"0.02 of it ({enough['exact_match']:.2f}) with {enough['trainable_params'] / best['trainable_params']:.2f}x "
-                "its trainable parameters."
+                f"Best exact match: rank {best['rank']} ({best['exact_match']:.2f}); rank {enough['rank']} comes "
+                f"within 0.02 of it ({enough['exact_match']:.2f}) with {share:.2f}x its trainable parameters."
             )
     return sentences
 

@@ -129,7 +129,7 @@ def busy_fraction(events: list[dict], start: float, end: float) -> float:
 
 def concurrent_time(lanes: dict[str, list[dict]]) -> float:
     """Seconds during which two or more lanes computed at once (0 for a naive split, > 0 for a pipeline)."""
-    edges = sorted((t, step) for events in lanes.values() for e in events for t, step in ((e["start"], 1), (e["end"], -1)))
+    edges = sorted(edge for events in lanes.values() for e in events for edge in ((e["start"], 1), (e["end"], -1)))
     busy, total, previous = 0, 0.0, None
     for t, step in edges:
         if busy >= 2:
@@ -156,7 +156,8 @@ def naive_split_timeline(model, device_map: dict, batches) -> dict[str, list[dic
     handles = []
     for device, names in stages.items():
         lane = f"stage {device}"
-        handles.append(modules[names[0]].register_forward_pre_hook(lambda m, a, lane=lane: current.update({lane: time.time()})))
+        handles.append(modules[names[0]].register_forward_pre_hook(
+            lambda m, a, lane=lane: current.update({lane: time.time()})))
         handles.append(modules[names[-1]].register_forward_hook(
             lambda m, a, o, lane=lane: lanes[lane].append(
                 {"kind": "forward", "microbatch": current["batch"], "start": current[lane], "end": time.time()})))
@@ -217,7 +218,8 @@ def token_blocks(preset, tokenizer, n_blocks: int, seq_len: int):
         if len(stream) >= n_blocks * seq_len:
             break
     if len(stream) < n_blocks * seq_len:
-        raise UserError(f"The data holds {len(stream)} tokens, fewer than {n_blocks} x {seq_len}; lower --steps or --seq-len.")
+        raise UserError(f"The data holds {len(stream)} tokens, fewer than {n_blocks} x {seq_len}; "
+                        "lower --steps or --seq-len.")
     return torch.tensor(stream[: n_blocks * seq_len]).view(n_blocks, seq_len)
 
 
@@ -243,7 +245,7 @@ def _train_pipeline(cfg: Config, preset, world_size: int) -> dict:
 
     import torch
     import torch.distributed as dist
-    from transformers import set_seed
+    from accelerate.utils import set_seed  # (transformers.set_seed would import peft and bitsandbytes: seconds)
 
     from my_utils.callbacks import gather_to_rank0
     from my_utils.devices import device_inventory, per_rank_device
@@ -381,8 +383,8 @@ def feed_forward_pairs(model) -> list[tuple[str, str]]:
                 if down:
                     pairs.append((f"{stack_name}.{i}.{n_up}", f"{stack_name}.{i}.{down[0]}"))
     if not pairs:
-        raise UserError(f"{type(model).__name__} has no torch.nn.Linear feed-forward pairs to shard (GPT-2 uses Conv1D); "
-                        "use a preset whose classifier is a BERT/RoBERTa-style encoder.")
+        raise UserError(f"{type(model).__name__} has no torch.nn.Linear feed-forward pairs to shard (GPT-2 uses "
+                        "Conv1D); use a preset whose classifier is a BERT/RoBERTa-style encoder.")
     return pairs
 
 
@@ -392,7 +394,7 @@ def _tensor_parallel(cfg: Config, preset, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from transformers import set_seed
+    from accelerate.utils import set_seed  # (transformers.set_seed would import peft and bitsandbytes: seconds)
 
     from my_utils.callbacks import gather_to_rank0
     from my_utils.data import load_classification

@@ -1,0 +1,94 @@
+"""The full-vs-LoRA x one-device/DDP/pipeline table of the classification lesson, built from results folders only.
+
+    python -m my_utils.classification_table runs/notebooks/09_classification
+    python -m my_utils.classification_table runs/classification --markdown
+
+Only complete runs of the classification workflow enter the table; each row says which folder it came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from my_utils import UserError
+from my_utils.memory import format_bytes
+from my_utils.runs import find_run_dirs, load_run
+
+PARALLEL_ORDER = ("none", "ddp", "pipeline")
+METHOD_ORDER = ("full", "lora")
+
+
+def classification_runs(*paths) -> list[dict]:
+    """The complete classification runs at or below ``paths``, ordered by method then parallel mode: one dict per
+    run with its folder and summary."""
+    found = []
+    for folder in find_run_dirs(*paths):
+        run = load_run(folder)
+        summary = run["summary"]
+        if run["run"].get("status") == "complete" and summary and summary.get("workflow") == "classification":
+            found.append({"path": str(folder), **summary})
+    return sorted(found, key=lambda r: (METHOD_ORDER.index(r["method"]), PARALLEL_ORDER.index(r["parallel"])))
+
+
+def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
+    header = ["method", "parallel", "processes", "best eval acc", "peak memory per process", "train time",
+              "samples/s", "trainable params", "folder"]
+    rows = [[r["method"], r["parallel"], str(r["world_size"]), f"{r['best_eval_accuracy']:.3f}",
+             " / ".join(format_bytes(b) for b in r["peak_memory_per_rank"]), f"{r['runtime_s']:.1f} s",
+             f"{r['samples_per_s']:.0f}", f"{r['trainable_params']:,}", Path(r["path"]).name] for r in runs]
+    return header, rows
+
+
+def classification_table(*paths, markdown: bool = False) -> str:
+    """The table, as text or markdown, of every complete classification run under ``paths``."""
+    from my_utils.compare import markdown_table, text_table
+
+    runs = classification_runs(*paths)
+    if not runs:
+        raise UserError(f"No complete classification run under {', '.join(map(str, paths))}; run "
+                        "`python -m my_utils.workflows.classification` first.")
+    return (markdown_table if markdown else text_table)(*table_rows(runs))
+
+
+def plot_classification(runs: list[dict], path) -> Path:
+    """Eval accuracy against steps for every run (left), and each process's peak memory (right)."""
+    from my_utils.memory import MiB
+    from my_utils.plots import new_figure, save
+
+    fig = new_figure(11, 4)
+    curves, memory = fig.subplots(1, 2)
+    names = [f"{r['method']} / {r['parallel']}" for r in runs]
+    for r, name in zip(runs, names):
+        steps, scores = zip(*r["eval_curve"])
+        curves.plot(steps, scores, marker="o", label=name, linestyle="--" if r["method"] == "lora" else "-")
+    curves.set(xlabel="optimizer step", ylabel="eval accuracy", title="accuracy while training")
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize="small")
+    for i, r in enumerate(runs):
+        peaks = r["peak_memory_per_rank"]
+        width = 0.8 / len(peaks)
+        for j, peak in enumerate(peaks):
+            memory.bar(i - 0.4 + width * (j + 0.5), peak / MiB, width * 0.9, color=f"C{j}", label=f"process {j}")
+    memory.set_xticks(range(len(runs)), names, rotation=20, ha="right", fontsize="small")
+    memory.set(ylabel="MiB", title="peak memory of each process")
+    memory.grid(axis="y", alpha=0.3)
+    unique = dict(zip(*reversed(memory.get_legend_handles_labels())))  # one entry per process
+    memory.legend(unique.values(), unique.keys(), fontsize="small")
+    return save(fig, path)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m my_utils.classification_table", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="+", help="results folders, or folders that contain them")
+    p.add_argument("--markdown", action="store_true", help="a markdown table")
+    args = p.parse_args(argv)
+    print(classification_table(*args.paths, markdown=args.markdown))
+
+
+if __name__ == "__main__":
+    from my_utils.cli import run_main
+
+    run_main(main, prefix="classification_table")
