@@ -64,6 +64,17 @@ def read_jsonl(path: str | Path, columns: tuple[str, ...]) -> list[dict]:
     return rows
 
 
+def check_text_columns(rows: list[dict], columns: tuple[str, ...], source: str | Path) -> None:
+    """Every value of ``columns`` must be text: a number or null there would fail later, mid-run."""
+    for row in rows:
+        for column in columns:
+            if not isinstance(row[column], str):
+                raise UserError(
+                    f"A row of {source} has {type(row[column]).__name__} {row[column]!r} in column {column!r}, "
+                    "not text; quote it as a string."
+                )
+
+
 # Hub datasets of the real presets: (dataset id, column renames into our schema).
 HUB_INSTRUCTIONS = {
     "alpaca": ("tatsu-lab/alpaca", {}),

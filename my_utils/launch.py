@@ -126,15 +126,20 @@ def launch(function, *args, num_processes: int = 1, port: int | None = None):
             os.environ["ACCELERATE_USE_CPU"] = previous
 
 
-def check_world_size(expected: int | None = None) -> int:
+def check_world_size(expected: int | None = None, timeout_s: float | None = None) -> int:
     """Inside a worker: the world size this process really belongs to, checked against what was asked.
 
     ``expected`` defaults to WORLD_SIZE set by the launcher. A mismatch means the launcher started
-    unsynchronised copies (the CPU trap) and training would silently not be data parallel.
+    unsynchronised copies (the CPU trap) and training would silently not be data parallel. ``timeout_s``
+    bounds every collective of the process group it creates (default: torch's, 30 minutes or more): a rank
+    that dies or hangs then ends the job with an error instead of a wait.
     """
+    from datetime import timedelta
+
     from accelerate import PartialState
 
-    state = PartialState(cpu=is_cpu_only())
+    kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    state = PartialState(cpu=is_cpu_only(), **kwargs)
     expected = int(os.environ.get("WORLD_SIZE", "1")) if expected is None else expected
     if state.num_processes != expected:
         raise RuntimeError(
@@ -164,8 +169,23 @@ def accelerate_command(module: str, args: list[str], *, num_processes: int = 1, 
     ]
 
 
+def stray_config_note() -> str | None:
+    """A note when a user-level accelerate default config exists: the course's commands never read it."""
+    from my_utils.env import accelerate_default_config
+
+    stray = accelerate_default_config()
+    if stray is None:
+        return None
+    return (f"note: ignoring the accelerate default config {stray}; course commands pass --config_file "
+            "configs/... explicitly.")
+
+
 def clean_env(**extra) -> dict:
-    """The environment for a launched job: offline mode kept, a stray user accelerate config ignored."""
+    """The environment for a launched job: offline mode kept, a stray user accelerate config ignored (the
+    command passes ``--config_file``; a note says so)."""
+    note = stray_config_note()
+    if note:
+        print(note, file=sys.stderr, flush=True)
     env = dict(os.environ)
     env.setdefault("PYTHONPATH", str(REPO_ROOT))
     if is_cpu_only():

@@ -9,6 +9,7 @@ LoRA to QLoRA is one argument: ``build_causal_lm(preset, quantize="4bit")``.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -22,11 +23,12 @@ def _local(model_id: str) -> bool:
     return Path(model_id).is_dir()
 
 
-def load_tokenizer(preset: Preset, role: str = "causal"):
-    """The preset's tokenizer, with a pad token (GPT-2-style tokenizers have none: eos is reused)."""
+def load_tokenizer(preset: Preset, role: str = "causal", *, trust_remote_code: bool = False):
+    """The preset's tokenizer, with a pad token (GPT-2-style tokenizers have none: eos is reused).
+    ``trust_remote_code`` (off unless the user asks) lets a hub repository run its own Python code."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(preset.require(role))
+    tokenizer = AutoTokenizer.from_pretrained(preset.require(role), trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -51,21 +53,23 @@ def quantization_config(quantize: str, compute_dtype=None):
     )
 
 
-def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str = "none", device_map=None, dtype=None):
+def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str = "none", device_map=None, dtype=None,
+                    trust_remote_code: bool = False):
     """The preset's causal LM: pretrained weights, or random weights from the shipped config (offline).
 
     ``quantize`` loads weights in 8-bit or 4-bit NF4 through bitsandbytes (QLoRA); quantized weights must be
     placed at load time, so pass ``device_map=per_rank_device_map()`` under several processes.
+    ``trust_remote_code`` (off unless the user asks) lets a hub repository run its own Python code.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     qconfig = quantization_config(quantize)
     model_id = preset.require("causal")
     if random_init:
-        config = AutoConfig.from_pretrained(preset.offline_config["causal"])
+        config = AutoConfig.from_pretrained(preset.offline_config["causal"], trust_remote_code=trust_remote_code)
         if qconfig is not None:
             raise UserError("Quantization needs pretrained weights; drop --random-init or use --quantize none.")
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
         return model
     kwargs = {"dtype": dtype} if dtype is not None else {}
     if qconfig is not None:
@@ -73,19 +77,35 @@ def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str 
         kwargs["device_map"] = device_map or {"": "cpu"}
     elif device_map is not None:
         kwargs["device_map"] = device_map
-    return AutoModelForCausalLM.from_pretrained(model_id, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_id, trust_remote_code=trust_remote_code, **kwargs)
+    if quantize == "4bit":
+        keep_4bit_weights_trainable(model)
+    return model
 
 
-def build_classifier(preset: Preset, num_labels: int, *, random_init: bool = False, dtype=None):
-    """The preset's encoder with a fresh classification head of ``num_labels`` classes."""
+def keep_4bit_weights_trainable(model) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference (AVX512-BF16 machines): it repacks
+    them in the first forward without gradients (an evaluation before training), and training on repacked
+    weights then fails. Forwards use the plain 4-bit kernel instead."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def build_classifier(preset: Preset, num_labels: int, *, random_init: bool = False, dtype=None,
+                     trust_remote_code: bool = False):
+    """The preset's encoder with a fresh classification head of ``num_labels`` classes.
+    ``trust_remote_code`` (off unless the user asks) lets a hub repository run its own Python code."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     if random_init:
-        config = AutoConfig.from_pretrained(preset.offline_config["classifier"], num_labels=num_labels)
-        return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        config = AutoConfig.from_pretrained(preset.offline_config["classifier"], num_labels=num_labels,
+                                            trust_remote_code=trust_remote_code)
+        return AutoModelForSequenceClassification.from_config(config, dtype=dtype,
+                                                              trust_remote_code=trust_remote_code)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     return AutoModelForSequenceClassification.from_pretrained(
-        preset.require("classifier"), num_labels=num_labels, **kwargs
+        preset.require("classifier"), num_labels=num_labels, trust_remote_code=trust_remote_code, **kwargs
     )
 
 
@@ -93,8 +113,30 @@ def check_lora_args(rank, alpha=None) -> None:
     """Reject a rank or alpha that is not a positive integer/number, in one sentence."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise UserError(f"LoRA rank must be a positive integer, got {rank!r}; try --rank 8.")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0):
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
+                              or not math.isfinite(alpha) or alpha <= 0):
         raise UserError(f"LoRA alpha must be a positive number, got {alpha!r}; a common choice is twice the rank.")
+
+
+def check_lora_targets(model, targets) -> None:
+    """Refuse LoRA target names that match no module of ``model`` (a real model or a ``meta_model``)."""
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        linear_like = sorted(n for n in names if n and not n.isdigit())[:12]
+        raise UserError(
+            f"LoRA target module {missing[0]!r} matches nothing in {type(model).__name__}; "
+            f"pick from its module names, e.g. {', '.join(linear_like)}."
+        )
+
+
+def max_positions(config) -> int | None:
+    """The longest sequence a model's config allows (n_positions, max_position_embeddings...), or None."""
+    for key in ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def add_lora(model, rank: int = 8, alpha: float | None = None, targets=("c_attn",), dropout: float = 0.0,
@@ -104,14 +146,7 @@ def add_lora(model, rank: int = 8, alpha: float | None = None, targets=("c_attn"
     A quantized model is first prepared for k-bit training (frozen base, fp32 norms, input gradients).
     """
     check_lora_args(rank, alpha)
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        linear_like = sorted(n for n in names if n and not n.isdigit())[:12]
-        raise UserError(
-            f"LoRA target module {missing[0]!r} matches nothing in {type(model).__name__}; "
-            f"pick from its module names, e.g. {', '.join(linear_like)}."
-        )
+    check_lora_targets(model, targets)
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):

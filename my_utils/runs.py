@@ -135,8 +135,9 @@ class Run:
         run = cls(path)
         info = {
             "status": "running",
-            "command": command if command is not None else [os.path.basename(sys.argv[0]), *sys.argv[1:]],
-            "config": config,
+            "command": redact_secrets(command if command is not None
+                                      else [os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+            "config": redact_secrets(config),
             **git_state(),
             "versions": library_versions(),
             "started": now(),
@@ -163,6 +164,22 @@ class Run:
         with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
+    def keep_metrics_until(self, step: int) -> None:
+        """Drop the metrics rows logged after ``step`` (atomically): a run resumed from the checkpoint of that
+        step logs the later steps again, so none is recorded twice."""
+        path = self.path / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a crash
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                kept.append(line + "\n")
+        atomic_write_text(path, "".join(kept))
+
     def finish(self, summary: dict) -> None:
         """Write summary.json, then mark the run complete: a complete run always has its summary."""
         atomic_write_json(self.path / "summary.json", summary)
@@ -170,6 +187,53 @@ class Run:
 
     def fail(self, error: str, status: str = "failed") -> None:
         self.update(status=status, finished=now(), error=error)
+
+
+# Names of settings whose values are secrets (split into words: "hf_token" -> hf, token).
+SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "credential", "credentials", "apikey"})
+SECRET_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key")})
+# Values that are secrets whatever their name: Hugging Face, OpenAI-style, GitHub and AWS access keys.
+SECRET_VALUE = re.compile(r"hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}")
+REDACTED = "<redacted>"
+
+
+def looks_secret(name: str) -> bool:
+    """Whether a setting or environment variable called ``name`` holds a secret (HF_TOKEN, --api-key...)."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
+    return any(w in SECRET_WORDS for w in words) or any(pair in SECRET_PAIRS for pair in zip(words, words[1:]))
+
+
+def redact_secrets(obj):
+    """``obj`` (a command line, a config) with secrets replaced by ``<redacted>``: values of keys and
+    ``--options`` whose name looks secret, token-shaped strings, and the values of secret-looking environment
+    variables wherever they appear. Everything else is returned unchanged."""
+    env_secrets = [v for k, v in os.environ.items() if looks_secret(k) and len(v) >= 8]
+
+    def scrub(text: str) -> str:
+        for value in env_secrets:
+            text = text.replace(value, REDACTED)
+        return SECRET_VALUE.sub(REDACTED, text)
+
+    if isinstance(obj, dict):
+        return {k: REDACTED if looks_secret(str(k)) and obj[k] is not None else redact_secrets(v)
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out, hide_next = [], False
+        for item in obj:
+            if hide_next:
+                out.append(REDACTED)
+                hide_next = False
+                continue
+            if isinstance(item, str) and item.startswith("-") and looks_secret(item.split("=", 1)[0]):
+                if "=" in item:
+                    item = item.split("=", 1)[0] + "=" + REDACTED
+                else:
+                    hide_next = True
+            out.append(redact_secrets(item))
+        return type(obj)(out) if isinstance(obj, tuple) else out
+    if isinstance(obj, str):
+        return scrub(obj)
+    return obj
 
 
 def is_run_dir(path: str | Path) -> bool:

@@ -1,0 +1,312 @@
+"""Bad input stops the LoRA workflow with one sentence saying what to do, before anything is written.
+
+From the command line (exit code 2, one line on stderr, no results folder) for one input of each kind, and
+through the Python API (``lora.validate`` then ``lora.load_inputs``: what ``train`` runs before it opens the
+results folder) for the rest. Also here: paths with spaces and non-ASCII letters work, a stray user-level
+accelerate config is ignored with a note, secrets never reach run.json, remote code stays off, and every
+``torch.load`` is restricted to tensors.
+"""
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from my_utils import UserError, launch
+from my_utils.env import accelerate_default_config
+from my_utils.launch import REPO_ROOT
+from my_utils.runs import REDACTED, Run
+from my_utils.workflows import lora
+
+TINY_TRAIN = REPO_ROOT / "assets" / "tiny" / "data" / "instructions_train.jsonl"
+
+
+def assert_one_sentence(message: str) -> None:
+    """One line, one sentence (no full stop followed by a new capitalised sentence), ending with a full stop."""
+    assert "\n" not in message.strip(), message
+    assert message.strip().endswith("."), message
+    assert not re.search(r"[.!?] [A-Z]", message.split(": error: ", 1)[-1]), message
+
+
+def cli(args, tmp_path: Path, env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", *map(str, args)], env=env,
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+
+
+def rows(n: int) -> list[dict]:
+    return [json.loads(line) for line in TINY_TRAIN.read_text(encoding="utf-8").splitlines()[:n]]
+
+
+def write_rows(path: Path, items) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in items), encoding="utf-8")
+    return path
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--preset", "tny"], "Unknown preset 'tny'; did you mean 'tiny'?"),
+    (["--rank", "0"], "LoRA rank must be a positive integer, got 0; try --rank 8."),
+    (["--rank", "abc"], "argument --rank: invalid int value: 'abc'; see --help."),
+    (["--alpha", "-2"], "LoRA alpha must be a positive number, got -2.0"),
+    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0."),
+    (["--max-steps", "-3"], "--max-steps must be a positive integer, got -3."),
+    (["--max-steps", "ten"], "argument --max-steps: invalid int value: 'ten'"),
+    (["--num-processes", "64"], "64 processes asked for but this machine has"),
+    (["--resume"], "--resume continues an existing results folder; name it with --output-dir."),
+    # checked on the model's config (meta device), with the data files, before the folder is created
+    (["--targets", "q_proj"], "LoRA target module 'q_proj' matches nothing in GPT2LMHeadModel"),
+])
+def test_bad_input_from_the_command_line_is_one_sentence_and_writes_nothing(tmp_path, subprocess_env, args,
+                                                                          expected):
+    out = tmp_path / "out"
+    proc = cli(args + (["--output-dir", out] if "--resume" not in args else []), tmp_path, subprocess_env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "error: " in lines[0] and expected in lines[0], proc.stderr[-2000:]
+    assert_one_sentence(lines[0])
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not launch.is_cpu_only(), reason="fp16 is refused on a CPU only")
+def test_fp16_on_a_cpu_is_refused(tmp_path, subprocess_env):
+    proc = cli(["--mixed-precision", "fp16", "--output-dir", tmp_path / "out"], tmp_path, subprocess_env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "lora: error: fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no."
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_existing_results_folder_is_refused_before_anything_loads(tmp_path, subprocess_env):
+    (tmp_path / "taken").mkdir()
+    proc = cli(["--output-dir", tmp_path / "taken"], tmp_path, subprocess_env)
+    assert proc.returncode == 2 and "already exists and is never overwritten" in proc.stderr
+    assert_one_sentence(proc.stderr)
+    assert list((tmp_path / "taken").iterdir()) == []
+
+
+def test_resume_without_a_checkpoint_stops_and_leaves_the_folder_as_it_was(tmp_path, subprocess_env):
+    run = Run.create(tmp_path / "crashed", config={"preset": "tiny"}, world_size=1)
+    run.fail("RuntimeError: before the first checkpoint")
+    before = {p.name: p.read_bytes() for p in run.path.iterdir()}
+    proc = cli(["--resume", "--output-dir", run.path], tmp_path, subprocess_env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "There is no checkpoint in" in proc.stderr and "rerun without --resume" in proc.stderr
+    assert_one_sentence(proc.stderr.strip().splitlines()[-1])
+    assert {p.name: p.read_bytes() for p in run.path.iterdir()} == before  # never restarted from scratch
+
+
+# ------------------------------------------------------------------------------------------ Python API
+
+
+def check(tmp_path, **changes):
+    """What ``train`` runs before it opens the results folder; the folder must not appear."""
+    cfg = lora.Config(**{"output_dir": str(tmp_path / "out"), **changes})
+    try:
+        lora.load_inputs(cfg, lora.validate(cfg), world_size=1)
+    finally:
+        assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"rank": -1}, "LoRA rank must be a positive integer, got -1"),
+    ({"rank": 2.5}, "LoRA rank must be a positive integer, got 2.5"),
+    ({"alpha": 0}, "LoRA alpha must be a positive number, got 0"),
+    ({"alpha": math.nan}, "LoRA alpha must be a positive number, got nan"),
+    ({"alpha": "16"}, "LoRA alpha must be a positive number, got '16'"),
+    ({"batch_size": -1}, "--batch-size must be a positive integer, got -1"),
+    ({"batch_size": "8"}, "--batch-size must be a positive integer, got '8'"),
+    ({"max_steps": 0}, "--max-steps must be a positive integer, got 0"),
+    ({"max_steps": 1.5}, "--max-steps must be a positive integer, got 1.5"),
+    ({"learning_rate": math.inf}, "--learning-rate must be a positive number, got inf"),
+    ({"learning_rate": -1e-4}, "--learning-rate must be a positive number"),
+    ({"grad_accum": 0}, "--grad-accum must be a positive integer"),
+    ({"eval_rows": 0}, "--eval-rows must be a positive integer"),
+    ({"save_steps": 0}, "--save-steps must be a positive integer"),
+    ({"timeout_s": 0}, "--timeout-s must be a positive number"),
+    ({"dropout": 1.5}, "--dropout must be at least 0 and below 1"),
+    ({"method": "qlora"}, "Unknown method 'qlora'; choose one of lora, full"),
+    ({"mixed_precision": "fp8"}, "Unknown mixed precision 'fp8'; choose one of no, fp16, bf16"),
+    ({"quantize": "4bit", "random_init": True}, "Quantization needs pretrained weights"),
+    ({"targets": ()}, "--targets names no module"),
+    ({"targets": ("c_attn", "query")}, "LoRA target module 'query' matches nothing"),
+    ({"max_length": 512}, r"max_length 512 is longer than the model allows \(256\); use --max-length 256"),
+    ({"max_length": 8}, "does not fit max_length 8; raise --max-length"),
+    ({"batch_size": 4096}, "fewer than one global batch of 4096"),
+])
+def test_bad_settings_are_one_sentence_before_the_folder_exists(tmp_path, changes, message):
+    with pytest.raises(UserError, match=message) as e:
+        check(tmp_path, **changes)
+    assert_one_sentence(str(e.value))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty; give it at least one row with instruction, input, output"),
+    ("".join(json.dumps(r) + "\n" for r in rows(12)).encode(), "has 11 rows, fewer than one global batch of 16"),
+    ('{"instruction": "Say hi", "input": "", "output": "h\xe9"}\n'.encode("latin-1"), "is not UTF-8 .*re-save it"),
+    (b'{"instruction": "Say hi", "output": "hi"}\n', "has no column 'input'; every row needs instruction"),
+    (b'{"instruction": "Say hi", "input": "", "output": "hi"\n', "Line 1 of .* is not valid JSON"),
+    (b'{"instruction": "Add 2 and 2.", "input": "", "output": 4}\n', "has int 4 in column 'output', not text; quote it"),
+])
+def test_bad_data_files_are_one_sentence_before_the_folder_exists(tmp_path, content, message):
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content)
+    with pytest.raises(UserError, match=message) as e:
+        check(tmp_path, data_file=str(data))
+    assert_one_sentence(str(e.value))
+
+
+def test_a_missing_data_file_is_one_sentence(tmp_path):
+    with pytest.raises(UserError, match="does not exist; check the path") as e:
+        check(tmp_path, data_file=str(tmp_path / "nowhere.jsonl"))
+    assert_one_sentence(str(e.value))
+
+
+def test_more_processes_than_cores_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    with pytest.raises(UserError, match="3 processes asked for but this machine has 2"):
+        check(tmp_path, num_processes=3)
+
+
+def _finished_run(path: Path, status: str, **config) -> Path:
+    run = Run.create(path, config={**vars(lora.Config(output_dir=str(path))), **config}, world_size=1)
+    if status == "complete":
+        run.finish({"steps": 1})
+    else:
+        run.fail("boom")
+    return path
+
+
+@pytest.mark.parametrize("status, config, resume_changes, message", [
+    ("complete", {}, {}, "is already complete; there is nothing to resume"),
+    ("failed", {}, {"rank": 16}, "was started with --rank 8, not 16; resume with the same settings"),
+    ("failed", {"targets": ["c_attn"]}, {"targets": ("c_fc",)}, "was started with --targets"),
+])
+def test_resume_refuses_what_it_cannot_continue(tmp_path, status, config, resume_changes, message):
+    folder = _finished_run(tmp_path / "run", status, **config)
+    before = (folder / "run.json").read_bytes()
+    cfg = lora.Config(output_dir=str(folder), resume=True, **{**config, **resume_changes})
+    with pytest.raises(UserError, match=message) as e:
+        lora.validate(cfg)
+    assert_one_sentence(str(e.value))
+    assert (folder / "run.json").read_bytes() == before
+
+
+def test_resume_of_a_folder_that_is_not_there(tmp_path):
+    with pytest.raises(UserError, match="There is no results folder at .* to resume"):
+        lora.validate(lora.Config(output_dir=str(tmp_path / "gone"), resume=True))
+    assert not (tmp_path / "gone").exists()
+
+
+def test_resume_may_change_how_it_runs(tmp_path):
+    from my_utils.training import write_checkpoint_manifest
+
+    folder = _finished_run(tmp_path / "run", "failed")
+    checkpoint = folder / lora.CHECKPOINTS / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text("{}")
+    write_checkpoint_manifest(checkpoint)
+    lora.validate(lora.Config(output_dir=str(folder), resume=True, timeout_s=60, save_steps=5))
+
+
+# ------------------------------------------------------------------------------------------ what must work
+
+
+def test_paths_with_spaces_and_non_ascii_letters_work(tmp_path):
+    data = write_rows(tmp_path / "dätä mit Leerzeichen" / "my rows ünïcode.jsonl", rows(100))
+    out = tmp_path / "rüns ünd spaces" / "lora run"
+    cfg = lora.Config(data_file=str(data), output_dir=str(out))
+    inputs = lora.load_inputs(cfg, lora.validate(cfg), world_size=1)
+    assert len(inputs["train_set"]) == 90 and len(inputs["eval_rows"]) == 10  # a tenth is held out
+    run = Run.create(out, config=vars(cfg))
+    assert json.loads((out / "run.json").read_text(encoding="utf-8"))["config"]["data_file"] == str(data)
+    assert run.path == out
+    # the whole run under such paths, end to end: tests/test_reliability.py (the offline 1-process run)
+
+
+def test_a_stray_accelerate_default_config_is_ignored_with_a_note(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("ACCELERATE_CONFIG_FILE", raising=False)
+    assert launch.stray_config_note() is None
+    stray = tmp_path / "accelerate" / "default_config.yaml"
+    stray.parent.mkdir()
+    stray.write_text("distributed_type: MULTI_CPU\nnum_processes: 4\nmixed_precision: fp16\n")
+    assert accelerate_default_config() == stray
+    launch.clean_env()
+    note = capsys.readouterr().err
+    assert f"ignoring the accelerate default config {stray}" in note and "--config_file" in note
+    cmd = launch.accelerate_command("my_utils.workflows.lora", [], num_processes=2)
+    assert cmd[cmd.index("--config_file") + 1].endswith(("cpu_x2.yaml", "multi_gpu.yaml"))
+    # a 2-process run with this stray config in place: tests/test_reliability.py (the 2-process baseline)
+
+
+# ------------------------------------------------------------------------------------------ safety
+
+
+def test_secrets_never_reach_run_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-value-123")
+    token = "hf_" + "a1B2" * 8
+    command = ["lora.py", "--hub-token", token, "--password=hunter22", "--note", "key wandb-secret-value-123",
+               "--rank", "8", "--max-new-tokens", "16"]
+    config = {"rank": 8, "max_new_tokens": 16, "hf_token": token, "nested": {"api_key": "abc", "keyboard": "qwerty"},
+              "data_file": f"/data/{token}/rows.jsonl"}
+    Run.create(tmp_path / "r", config=config, command=command)
+    text = (tmp_path / "r" / "run.json").read_text(encoding="utf-8")
+    for secret in (token, "hunter22", "wandb-secret-value-123", '"abc"'):
+        assert secret not in text
+    info = json.loads(text)
+    assert info["command"] == ["lora.py", "--hub-token", REDACTED, f"--password={REDACTED}", "--note",
+                               f"key {REDACTED}", "--rank", "8", "--max-new-tokens", "16"]
+    assert info["config"]["rank"] == 8 and info["config"]["max_new_tokens"] == 16
+    assert info["config"]["nested"] == {"api_key": REDACTED, "keyboard": "qwerty"}
+    assert info["config"]["hf_token"] == REDACTED and info["config"]["data_file"] == f"/data/{REDACTED}/rows.jsonl"
+
+
+def test_remote_code_is_off_unless_asked_for(monkeypatch):
+    import transformers
+
+    from my_utils.models import build_causal_lm, load_tokenizer
+    from my_utils.presets import get_preset
+
+    seen = []
+
+    def fake_from_pretrained(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code", "missing"))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fake_from_pretrained)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fake_from_pretrained)
+    for build in (load_tokenizer, build_causal_lm):
+        with pytest.raises(RuntimeError, match="stop here"):
+            build(get_preset("tiny"))
+        with pytest.raises(RuntimeError, match="stop here"):
+            build(get_preset("tiny"), trust_remote_code=True)
+    assert seen == [False, True, False, True]
+    assert lora.parse_args([]).trust_remote_code is False
+    assert lora.parse_args(["--trust-remote-code"]).trust_remote_code is True
+
+
+def unsafe_torch_loads(text: str) -> list[str]:
+    """The ``torch.load(...)`` calls in ``text`` that do not pass weights_only=True (pickles can run code)."""
+    calls = []
+    for m in re.finditer(r"torch\.load\(", text):
+        depth = 0
+        for end in range(m.end() - 1, len(text)):  # the whole call, up to its closing parenthesis
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        calls.append(text[m.start():end + 1])
+    return [c for c in calls if not re.search(r"weights_only\s*=\s*True", c)]
+
+
+def test_every_torch_load_is_restricted_to_tensors():
+    assert unsafe_torch_loads("a = torch.load(f(x), map_location='cpu')\nb = torch.load(p, weights_only=True)") == [
+        "torch.load(f(x), map_location='cpu')"]
+    for path in [*REPO_ROOT.glob("my_utils/**/*.py"), *REPO_ROOT.glob("scripts/*.py"), *REPO_ROOT.glob("tests/*.py")]:
+        if path.name != Path(__file__).name:
+            assert unsafe_torch_loads(path.read_text(encoding="utf-8")) == [], path
