@@ -10,7 +10,9 @@ One function, two launchers:
     # a notebook
     from my_utils.launch import launch; launch(train, Config(preset="tiny"), num_processes=2)
 
-Checkpoints and resuming (the same results folder continues; its losses match an uninterrupted run):
+Checkpoints and resuming (the same results folder continues; its losses match an uninterrupted run). A crash
+resumes from the newest whole checkpoint; a SIGTERM (a scheduler preempting the job) stops every rank at the
+end of the current step with a checkpoint; a rank that dies or hangs ends the job within --timeout-s, named:
 
     python -m my_utils.workflows.lora --preset tiny --save-steps 20 --output-dir runs/lora/mine
     python -m my_utils.workflows.lora --preset tiny --save-steps 20 --output-dir runs/lora/mine --resume
@@ -176,7 +178,7 @@ def train(cfg: Config) -> dict:
     inputs = load_inputs(cfg, preset, world_size)  # bad files fail here, before the Trainer is even imported
 
     from accelerate.utils import broadcast_object_list
-    from transformers import TrainerCallback, TrainingArguments, set_seed
+    from transformers import TrainingArguments, set_seed
 
     from my_utils.callbacks import TokenCounter, gather_to_rank0, make_callbacks
     from my_utils.data import padding_collator
@@ -220,15 +222,7 @@ def train(cfg: Config) -> dict:
         # Wraps the collator: counts tokens, and prints (with the rank prefix) and keeps each rank's first batch.
         counter = TokenCounter(padding_collator(tokenizer), tokenizer=tokenizer, preview_batches=1)
         memory_cb, metrics_cb = make_callbacks(run, device)
-        reliability = reliability_callbacks(world_size)
-
-        class CountFromTrainBegin(TrainerCallback):
-            """An out-of-memory retry (--auto-batch-size) starts training again: count that attempt only."""
-
-            def on_train_begin(self, args, state, control, **kwargs):
-                counter.tokens = counter.padded_tokens = 0
-                counter.previews.clear()
-
+        reliability = reliability_callbacks(world_size)  # checkpoint manifests, SIGTERM stop, fault injection
         args = TrainingArguments(
             output_dir=str(run_dir / CHECKPOINTS),
             per_device_train_batch_size=batch_size,
@@ -242,7 +236,7 @@ def train(cfg: Config) -> dict:
             # Checkpoints (adapter or model as safetensors, optimizer, scheduler, every rank's RNG state) let
             # --resume continue exactly; a SIGTERM saves one whatever this says.
             save_strategy="steps" if cfg.save_steps else "no",
-            save_steps=cfg.save_steps or 500,
+            save_steps=cfg.save_steps or 500,  # the Trainer's default, unused without --save-steps
             save_total_limit=KEEP_CHECKPOINTS,
             report_to="none",
             use_cpu=is_cpu_only(),
@@ -259,11 +253,14 @@ def train(cfg: Config) -> dict:
             # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DDP.
             activation_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
             dataloader_drop_last=True,  # training batches only (course_trainer_class): same shapes on every rank
+            # Batches of examples of similar length (shuffled in groups, longest batch first): dynamic padding then
+            # adds little, so a step costs less for the same examples (`python -m my_utils bench trainer`).
+            train_sampling_strategy="group_by_length",
         )
-        callbacks = [memory_cb, metrics_cb, CountFromTrainBegin(), *reliability.values()]
-        trainer = course_trainer_class()(model=model, args=args, train_dataset=inputs["train_set"],
-                                         eval_dataset=inputs["eval_set"], data_collator=counter,
-                                         callbacks=[c for c in callbacks if c])
+        callbacks = [memory_cb, metrics_cb, _count_from_train_begin(counter), *reliability.values()]
+        Trainer = course_trainer_class()  # transformers' Trainer; its evaluation sees every row
+        trainer = Trainer(model=model, args=args, train_dataset=inputs["train_set"], eval_dataset=inputs["eval_set"],
+                          data_collator=counter, callbacks=[c for c in callbacks if c])
         started = time.perf_counter()
         try:
             result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
@@ -336,6 +333,19 @@ def train(cfg: Config) -> dict:
             print0(f"results folder: {run_dir}")
         summary = broadcast_object_list([summary])[0] if world_size > 1 else summary
     return summary
+
+
+def _count_from_train_begin(counter):
+    """A callback that restarts ``counter`` (a TokenCounter) when training begins: an out-of-memory retry
+    (--auto-batch-size) begins training again, and only the attempt that runs to the end counts."""
+    from transformers import TrainerCallback
+
+    class CountFromTrainBegin(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            counter.tokens = counter.padded_tokens = 0
+            counter.previews.clear()
+
+    return CountFromTrainBegin()
 
 
 def _method(cfg: Config) -> str:
