@@ -5,10 +5,11 @@
 
 Both configurations run the DDP lesson's workflow (``my_utils.workflows.ddp``) under ``torchrun`` in fresh
 processes, one intra-op thread per process, alternating ``--repeats`` times so that a load change on the machine
-hits both. The results folder ``runs/bench/ddp_scaling[_n]/`` holds run.json, summary.json (samples/s of every
-run, the medians and their ratio, the machine's load average before and after) and each run's own results
-folder. The ratio printed last is median samples/s with 2 processes / median with 1. On two idle cores it
-should reach 1.7 or more: the gradient all-reduce (8 MB over gloo) is small next to a step's compute.
+hits both (``my_utils.bench.process_scaling``, which ``python -m my_utils bench ddp`` uses for the LoRA workflow).
+The results folder ``runs/bench/ddp_scaling[_n]/`` holds run.json, summary.json (samples/s of every run, the
+medians and their ratio, the machine's load average before and after) and each run's own results folder and log.
+The ratio printed last is median samples/s with 2 processes / median with 1. On two idle cores it should reach
+1.7 or more: the gradient all-reduce (8 MB over gloo) is small next to a step's compute.
 
 On a machine shared with other jobs the wall-clock ratio mostly measures the neighbours; the line before it is an
 estimate that they disturb less: the same ratio computed from each run's CPU seconds (the busiest process's,
@@ -26,7 +27,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from my_utils.launch import check_process_count, clean_env, run_command  # noqa: E402
+from my_utils.bench import process_scaling  # noqa: E402
+from my_utils.launch import clean_env  # noqa: E402
 from my_utils.runs import RUNS_ROOT, Run, read_json, unique_dir  # noqa: E402
 
 TARGET = 1.7
@@ -35,6 +37,15 @@ TARGET = 1.7
 def torchrun_command(processes: int, args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
             "-m", "my_utils.workflows.ddp", *args]
+
+
+def run_figures(out: Path) -> dict:
+    """One run's samples/s, and samples per CPU-second of its busiest process (gloo threads included)."""
+    summary = read_json(out / "summary.json")
+    assert summary["threads_per_process"] == 1
+    samples = summary["timed_steps"] * summary["effective_batch"]
+    return {"world_size": summary["world_size"], "rate": summary["samples_per_s"],
+            "cpu_rate": samples / max(summary["cpu_seconds_per_rank"])}
 
 
 def main(argv=None) -> float:
@@ -48,7 +59,6 @@ def main(argv=None) -> float:
     p.add_argument("--repeats", type=int, default=2, help="runs of each configuration, alternated")
     p.add_argument("--output-dir", default=None, help="results folder (default runs/bench/ddp_scaling[_n])")
     args = p.parse_args(argv)
-    check_process_count(2)
     if args.global_batch % 2:
         p.error("--global-batch must be even: two processes share it")
 
@@ -56,29 +66,22 @@ def main(argv=None) -> float:
     config = vars(args) | {"threads_per_process": 1, "processes": [1, 2]}
     record = Run.create(root, config=config, command=["python", "bench/ddp_scaling.py", *(argv or sys.argv[1:])],
                         load_average_before=os.getloadavg())
-    env = clean_env(OMP_NUM_THREADS=1)
-    samples_per_s = {1: [], 2: []}
-    cpu_estimate = {1: [], 2: []}  # samples per second of the busiest process's own CPU time
+
+    def command(processes, out):
+        return torchrun_command(processes, [
+            "--preset", args.preset, "--batch-size", str(args.global_batch // processes),
+            "--max-length", str(args.max_length), "--max-steps", str(args.steps),
+            "--warmup-steps", str(args.warmup_steps), "--log-every", str(args.steps),
+            "--num-processes", str(processes), "--output-dir", str(out)])
+
     try:
-        for repeat in range(args.repeats):
-            for processes in (1, 2):
-                out = root / f"x{processes}_{repeat + 1}"
-                run_command(torchrun_command(processes, [
-                    "--preset", args.preset, "--batch-size", str(args.global_batch // processes),
-                    "--max-length", str(args.max_length), "--max-steps", str(args.steps),
-                    "--warmup-steps", str(args.warmup_steps), "--log-every", str(args.steps),
-                    "--num-processes", str(processes), "--output-dir", str(out)]), env=env)
-                summary = read_json(out / "summary.json")
-                assert summary["world_size"] == processes and summary["threads_per_process"] == 1
-                samples_per_s[processes].append(summary["samples_per_s"])
-                samples = summary["timed_steps"] * summary["effective_batch"]
-                cpu_estimate[processes].append(samples / max(summary["cpu_seconds_per_rank"]))
+        result = process_scaling(root, command, run_figures, args.repeats, clean_env(OMP_NUM_THREADS=1), "ddp")
     except BaseException as e:
         record.fail(f"{type(e).__name__}: {e}")
         raise
+    samples_per_s = {n: [r["rate"] for r in result[f"x{n}"]] for n in (1, 2)}
     medians = {n: statistics.median(v) for n, v in samples_per_s.items()}
-    ratio = medians[2] / medians[1]
-    cpu_ratio = statistics.median(cpu_estimate[2]) / statistics.median(cpu_estimate[1])
+    ratio, cpu_ratio = result["ratio"], result["cpu_time_ratio"]
     record.update(load_average_after=os.getloadavg())
     record.finish({
         "samples_per_s_1x1": samples_per_s[1],

@@ -1,0 +1,101 @@
+"""The benchmarks: their command line, the FLOP count behind MFU (checked against the planner's independent
+count of the same architecture), the table, and (slow) a quick run of two benchmarks that must leave complete
+results folders with every ratio and its baseline. No timing thresholds here: speed targets are the benchmarks'
+own business, measured side by side in one run."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from my_utils import UserError, bench
+from my_utils.launch import REPO_ROOT
+
+
+def test_names_and_quick_settings():
+    names, settings = bench.parse_args([])
+    assert names == list(bench.BENCHMARKS) and not settings.quick
+    names, quick = bench.parse_args(["memory", "overhead", "memory", "--quick", "--steps", "20"])
+    assert names == ["memory", "overhead"]
+    assert quick.steps < 20 and quick.memory_preset == quick.qlora_preset == "tiny"
+    assert quick.repeats_for("overhead") == 1 and settings.repeats_for("overhead") == bench.REPEATS["overhead"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["speed"], "Unknown benchmark 'speed'"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--preset", "tiniest"], "Unknown preset"),
+])
+def test_bad_input_is_one_sentence(argv, message):
+    with pytest.raises(UserError, match=message):
+        bench.parse_args(argv)
+
+
+def test_ratio_rows_and_table():
+    rows = [bench.ratio_row("overhead", "useful tokens/s", "workflow", "bare loop", 0.99, target=0.98, cpu_ratio=1.0),
+            bench.ratio_row("memory", "peak", "LoRA", "full", 0.6, target=0.5, at_most=True),
+            bench.ratio_row("mfu", "model FLOP/s", "loop", "matmul peak", 0.3)]
+    assert [r["met"] for r in rows] == [True, False, None]
+    table = bench.render_table(rows)
+    assert ">= 0.98 met" in table and "<= 0.5 MISSED" in table and "bare loop" in table and "matmul peak" in table
+
+
+def test_model_flops_count_lora_backward_without_base_weight_gradients(subprocess_env):
+    # In a fresh process: building a LoRA model imports peft, which must stay out of the test process.
+    code = (
+        "import json\n"
+        "from my_utils.bench import model_flops_per_token\n"
+        "from my_utils.models import add_lora, build_causal_lm\n"
+        "from my_utils.presets import get_preset\n"
+        "p = get_preset('tiny')\n"
+        "full = model_flops_per_token(build_causal_lm(p, random_init=True), 64, 'full')\n"
+        "lora = model_flops_per_token(add_lora(build_causal_lm(p, random_init=True), 8, targets=p.lora_targets), "
+        "64, 'lora')\n"
+        "print(json.dumps({'full': full, 'lora': lora}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=subprocess_env, cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    flops = json.loads(out.stdout.strip().splitlines()[-1])
+
+    from my_utils.planner import architecture, lora_parameters
+    from my_utils.presets import get_preset
+
+    arch = architecture("tiny")
+    n = sum(d_in * d_out for d_in, d_out, _ in arch.linears.values())  # every linear layer, the output layer too
+    n_adapters = lora_parameters(arch, 8, get_preset("tiny").lora_targets)
+    attention = 12 * arch.layers * arch.hidden * 64
+    assert flops["full"]["matmul_weights"] == flops["lora"]["matmul_weights"] == n
+    assert flops["lora"]["adapter_weights"] == n_adapters
+    assert flops["full"]["flops_per_token"] == 6 * n + attention
+    assert flops["lora"]["flops_per_token"] == 4 * n + 6 * n_adapters + attention
+    assert flops["lora"]["flops_per_token_as_6n"] == 6 * (n + n_adapters) + attention
+
+
+@pytest.mark.slow
+def test_quick_run_writes_results_folders_with_every_ratio(tmp_path, subprocess_env):
+    out = subprocess.run([sys.executable, "-m", "my_utils", "bench", "overhead", "memory", "--quick",
+                          "--output-root", str(tmp_path)], env=subprocess_env, cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for name in ("overhead", "memory"):
+        folder = tmp_path / name
+        run = json.loads((folder / "run.json").read_text())
+        summary = json.loads((folder / "summary.json").read_text())
+        assert run["status"] == "complete" and summary["benchmark"] == name
+        for row in summary["ratios"]:
+            assert row["baseline"] and math.isfinite(row["ratio"]) and row["ratio"] > 0, row
+            assert f"{row['ratio']:.3f}" in out.stdout and row["baseline"] in out.stdout
+    overhead = json.loads((tmp_path / "overhead" / "summary.json").read_text())
+    # the workflow and the bare loop trained on the same batching, each in its own fresh process
+    assert overhead["sampling"] == overhead["course"][0]["settings"]["sampling"] == overhead["bare"][0]["sampling"]
+    pids = [json.loads((tmp_path / "overhead" / f"{name}_1" / "run.json").read_text())["pid"]
+            for name in ("course", "bare")]
+    assert len(set(pids)) == 2
+    memory = json.loads((tmp_path / "memory" / "summary.json").read_text())
+    steps = memory["steps"]
+    assert steps["lora"]["gradient_bytes"] < steps["full"]["gradient_bytes"] / 10  # only adapters train
+    assert steps["lora_ckpt"]["saved_activation_bytes"] < steps["lora"]["saved_activation_bytes"]
+    assert [r["target"] for r in memory["ratios"] if r["target"]] == ["<= 0.5", "<= 0.35"]
