@@ -3,8 +3,9 @@ learning-rate scaling rule, turning a run's outcome into its status, and the rel
 
 - checkpoints that are known to be whole (a manifest written after every save) and the newest good one to
   resume from (``find_resume_checkpoint``);
-- SIGTERM (a scheduler preempting the job, Ctrl-C on ``accelerate launch``): training stops at the end of the
-  current step on every rank, saves a checkpoint, and the run ends ``interrupted`` with a non-zero exit;
+- SIGTERM (a scheduler preempting the job; ``accelerate launch`` forwards it to every worker): training stops
+  at the end of the current step on every rank, saves a checkpoint, and the run ends ``interrupted`` with a
+  non-zero exit;
 - a rank that dies or hangs: collectives time out after ``--timeout-s`` and the error names the rank that
   stopped (the live ranks say so in the process group's store; the silent one is named,
   ``name_stopped_ranks``);
@@ -381,12 +382,33 @@ def name_stopped_ranks(error: BaseException, world_size: int, timeout_s: float, 
 
 
 def course_trainer_class():
-    """``transformers.Trainer`` with evaluation that sees every row: ``dataloader_drop_last`` keeps training
-    batches whole (the same shapes on every rank), but applied to evaluation it drops the only batch of a
-    small eval set and eval_loss comes back None."""
+    """``transformers.Trainer`` with two fixes:
+
+    - evaluation sees every row: ``dataloader_drop_last`` keeps training batches whole (the same shapes on
+      every rank), but applied to evaluation it drops the only batch of a small eval set (eval_loss None);
+    - the order of length-grouped batches (``train_sampling_strategy="group_by_length"``) depends only on the
+      seed and the epoch: the Trainer draws it from the global RNG when an epoch starts, a state that a run
+      resumed in the middle of a later epoch cannot recreate, so its batches, and losses, would differ.
+    """
+    import torch
     from transformers import Trainer
+    from transformers.trainer_pt_utils import LengthGroupedSampler
 
     class CourseTrainer(Trainer):
+        epoch_order = None  # the generator of the length-grouped order, reseeded for every epoch
+
+        def _get_train_sampler(self, train_dataset=None):
+            sampler = super()._get_train_sampler(train_dataset)
+            if isinstance(sampler, LengthGroupedSampler) and sampler.generator is None:
+                sampler.generator = self.epoch_order = torch.Generator()
+            return sampler
+
+        def _run_epoch(self, **kwargs):
+            if self.epoch_order is not None:
+                seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+                self.epoch_order.manual_seed(seed + kwargs["epoch"])
+            return super()._run_epoch(**kwargs)
+
         def get_eval_dataloader(self, eval_dataset=None):
             drop_last, self.args.dataloader_drop_last = self.args.dataloader_drop_last, False
             try:
@@ -473,6 +495,8 @@ def reliability_callbacks(world_size: int = 1) -> dict:
 
         def on_train_end(self, args, trainer_state, control, **kwargs):
             _Sigterm.deferrable = False
+            if _Sigterm.requested and not self.stopped:  # it came after the last step: no step left to stop at
+                raise KeyboardInterrupt("SIGTERM")
 
     class InjectFaults(TrainerCallback):
         def on_step_end(self, args, trainer_state, control, **kwargs):

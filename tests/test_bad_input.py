@@ -78,7 +78,8 @@ def test_bad_input_from_the_command_line_is_one_sentence_and_writes_nothing(tmp_
 def test_fp16_on_a_cpu_is_refused(tmp_path, subprocess_env):
     proc = cli(["--mixed-precision", "fp16", "--output-dir", tmp_path / "out"], tmp_path, subprocess_env)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "lora: error: fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no."
+    assert proc.stderr.strip() == ("lora: error: fp16 mixed precision needs a GPU; on a CPU use --mixed-precision "
+                                   "bf16 or no.")
     assert not (tmp_path / "out").exists()
 
 
@@ -151,7 +152,7 @@ def test_bad_settings_are_one_sentence_before_the_folder_exists(tmp_path, change
     ('{"instruction": "Say hi", "input": "", "output": "h\xe9"}\n'.encode("latin-1"), "is not UTF-8 .*re-save it"),
     (b'{"instruction": "Say hi", "output": "hi"}\n', "has no column 'input'; every row needs instruction"),
     (b'{"instruction": "Say hi", "input": "", "output": "hi"\n', "Line 1 of .* is not valid JSON"),
-    (b'{"instruction": "Add 2 and 2.", "input": "", "output": 4}\n', "has int 4 in column 'output', not text; quote it"),
+    (b'{"instruction": "Add 2 and 2.", "input": "", "output": 4}\n', "has int 4 in column 'output', not text"),
 ])
 def test_bad_data_files_are_one_sentence_before_the_folder_exists(tmp_path, content, message):
     data = tmp_path / "data.jsonl"

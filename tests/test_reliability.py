@@ -24,12 +24,14 @@ from my_utils.runs import load_run
 from my_utils.training import (CHECKPOINT_MANIFEST, checkpoint_problem, find_resume_checkpoint,
                                write_checkpoint_manifest)
 
+COMMON = ["--preset", "tiny", "--logging-steps", "1", "--batch-size", "4", "--save-steps", "2"]
 STEPS = 6
-ARGS = ["--preset", "tiny", "--max-steps", str(STEPS), "--logging-steps", "1", "--batch-size", "4",
-        "--save-steps", "2"]
-# The 1-process runs also keep the out-of-memory back-off on: a crash that is not an OOM must go straight
-# through it, and a resume must keep the batch size.
-ONE_PROCESS_ARGS = [*ARGS, "--eval-rows", "8", "--auto-batch-size"]
+ARGS = [*COMMON, "--max-steps", str(STEPS)]
+# The 1-process runs train 8 steps on 13 rows (3 batches of 4 per epoch), so a resume from step 4 lands in the
+# middle of the second epoch. They also keep the out-of-memory back-off on: a crash that is not an OOM must go
+# straight through it, and a resume must keep the batch size.
+ONE_PROCESS_STEPS = 8
+ONE_PROCESS_ARGS = [*COMMON, "--max-steps", str(ONE_PROCESS_STEPS), "--eval-rows", "8", "--auto-batch-size"]
 SECRET = "hf_" + "Zq8" * 10  # a token-shaped value in the environment: it must never reach a results folder
 
 
@@ -69,8 +71,9 @@ def tail(proc) -> str:
     return proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def write_data(folder: Path, rows: int = 200) -> Path:
-    """A copy of the first rows of the tiny data, in a folder named with spaces and non-ASCII letters."""
+def write_data(folder: Path, rows: int = 14) -> Path:
+    """A copy of the first rows of the tiny data (of 14, a tenth, one row, is held out), in a folder named with
+    spaces and non-ASCII letters."""
     folder.mkdir(parents=True)
     source = REPO_ROOT / "assets" / "tiny" / "data" / "instructions_train.jsonl"
     path = folder / "train set.jsonl"
@@ -142,8 +145,8 @@ def test_tiny_pipeline_runs_offline_with_spaces_and_non_ascii_paths(one_process)
     assert "blocked" not in log, log  # and nothing tried to leave the machine (not even a swallowed attempt)
     info, summary = run_info(out), load_run(out)["summary"]
     assert info["status"] == "complete" and info["config"]["data_file"] == str(one_process["data"])
-    assert summary["exact_match_after"] is not None and summary["steps"] == STEPS
-    assert [s for s, _ in losses(out)] == list(range(1, STEPS + 1))
+    assert summary["exact_match_after"] is not None and summary["steps"] == ONE_PROCESS_STEPS
+    assert [s for s, _ in losses(out)] == list(range(1, ONE_PROCESS_STEPS + 1))
     # weights as safetensors, in the adapter and in every checkpoint; never a pickled weights file
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     for checkpoint in (out / "checkpoints").glob("checkpoint-*"):
@@ -159,25 +162,26 @@ def test_crash_then_resume_passes_over_a_truncated_checkpoint_and_reproduces_the
     assert one_process["proc"].returncode == 0, tail(one_process["proc"])
     out = tmp / "rüns ünd spaces" / "crashed"
     args = [*ONE_PROCESS_ARGS, "--data-file", one_process["data"], "--output-dir", out]
-    crashed = lora(args, env_for(tmp, COURSE_CRASH_AT_STEP=5))
-    assert crashed.returncode != 0 and "injected crash at step 5" in crashed.stderr
+    crashed = lora(args, env_for(tmp, COURSE_CRASH_AT_STEP=7))
+    assert crashed.returncode != 0 and "injected crash at step 7" in crashed.stderr
     assert "batch of 3" not in crashed.stdout  # not an out-of-memory error: no retry with a smaller batch
     assert run_info(out)["status"] == "failed" and not (out / "summary.json").exists()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-2", "checkpoint-4"]
-    assert find_resume_checkpoint(out / "checkpoints")[0].name == "checkpoint-4"
+    # the newest two are kept
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert find_resume_checkpoint(out / "checkpoints")[0].name == "checkpoint-6"
 
     # the newest checkpoint is cut short (a disk that filled up): the resume must take the one before
-    weights = out / "checkpoints" / "checkpoint-4" / "adapter_model.safetensors"
+    weights = out / "checkpoints" / "checkpoint-6" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     resumed = lora([*args, "--resume"], env_for(tmp))
     assert resumed.returncode == 0, tail(resumed)
-    assert "passing over checkpoint-4" in resumed.stderr
+    assert "passing over checkpoint-6" in resumed.stderr
 
     info, summary = run_info(out), load_run(out)["summary"]
     assert info["status"] == "complete" and info["error"] is None
     assert [(r["from_step"], r["previous_status"], r["set_aside"]) for r in info["resumes"]] == [
-        (2, "failed", ["incomplete-checkpoint-4"])]
-    assert summary["resumed_from_step"] == 2 and summary["steps"] == STEPS
+        (4, "failed", ["incomplete-checkpoint-6"])]
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == ONE_PROCESS_STEPS
     assert summary["batch_size_per_process"] == 4
     assert losses(out) == losses(baseline)  # every step, exactly: same data order, RNG and optimizer state
     assert summary["train_loss_first"] == load_run(baseline)["summary"]["train_loss_first"]
