@@ -100,6 +100,19 @@ def check_new_run_dir(path: str | Path) -> Path:
     return path
 
 
+def check_can_create(path: str | Path) -> None:
+    """Preflight: the folder ``path`` can be created (its nearest existing parent is a writable folder)."""
+    parent = Path(path).absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"Results folder {path} cannot be created because {parent} is a file; choose another "
+                        "--output-dir.")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"Results folder {path} cannot be created because {parent} is not writable; choose "
+                        "another --output-dir.")
+
+
 def next_run_root(device: str, count: int, root: str | Path = RUNS_ROOT) -> Path:
     """The next free ``runs/run_<n>_<device>_x<count>`` folder name (not created)."""
     root = Path(root)

@@ -98,6 +98,9 @@ def open_run(path: str | Path | None, default: str | Path, config: dict, **field
             outcome = [str(target), None]
         except UserError as e:
             outcome = [None, str(e)]
+        except OSError as e:  # e.g. no space or no permission: every rank must hear of it, not only this one
+            outcome = [None, f"Results folder {path or default} cannot be created ({e.strerror or e}); choose "
+                       "another --output-dir."]
     _agree(state, outcome)
     if outcome[1]:
         raise UserError(outcome[1])
@@ -306,7 +309,7 @@ def recorded(run: Run | None):
         raise
     except BaseException as e:
         if run is not None:
-            run.fail(f"{type(e).__name__}: {e}")
+            run.fail(redact_secrets(f"{type(e).__name__}: {e}"))  # an error may quote a URL or setting
         raise
     finally:
         _Sigterm.deferrable = False

@@ -162,6 +162,13 @@ def test_bad_data_files_are_one_sentence_before_the_folder_exists(tmp_path, cont
     assert_one_sentence(str(e.value))
 
 
+def test_a_results_folder_that_cannot_be_created(tmp_path):
+    (tmp_path / "a file").write_text("")
+    with pytest.raises(UserError, match="cannot be created because .*a file is a file; choose another") as e:
+        lora.validate(lora.Config(output_dir=str(tmp_path / "a file" / "runs" / "lora")))
+    assert_one_sentence(str(e.value))
+
+
 def test_a_missing_data_file_is_one_sentence(tmp_path):
     with pytest.raises(UserError, match="does not exist; check the path") as e:
         check(tmp_path, data_file=str(tmp_path / "nowhere.jsonl"))

@@ -84,7 +84,7 @@ def validate(cfg: Config):
     from my_utils.launch import check_process_count
     from my_utils.models import QUANTIZE_CHOICES, check_lora_args
     from my_utils.presets import get_preset
-    from my_utils.runs import check_new_run_dir
+    from my_utils.runs import check_can_create, check_new_run_dir
     from my_utils.training import LR_SCALING, check_positive, check_resumable, find_resume_checkpoint
 
     preset = get_preset(cfg.preset)
@@ -124,6 +124,7 @@ def validate(cfg: Config):
         find_resume_checkpoint(Path(cfg.output_dir) / CHECKPOINTS)  # one sentence now if there is none
     elif cfg.output_dir:
         check_new_run_dir(cfg.output_dir)
+        check_can_create(cfg.output_dir)
     if cfg.mixed_precision == "fp16":
         from my_utils.launch import is_cpu_only
 
