@@ -308,15 +308,15 @@ def test_auto_batch_size_backs_off_on_out_of_memory(tmp_path):
     # Batches above 5 rows raise torch.OutOfMemoryError: 8 -> 7 -> 6 -> 5 (accelerate takes 90% each time).
     # That other errors go straight through is checked by the 1-process crash above.
     out = tmp_path / "backed_off"
-    proc = lora(["--preset", "tiny", "--max-steps", "2", "--batch-size", "8", "--eval-rows", "8",
-                 "--skip-generation-eval", "--auto-batch-size", "--output-dir", out],
+    proc = lora(["--preset", "tiny", "--max-steps", "2", "--logging-steps", "1", "--batch-size", "8",
+                 "--eval-rows", "8", "--skip-generation-eval", "--auto-batch-size", "--output-dir", out],
                 env_for(tmp_path, COURSE_FAKE_OOM_ABOVE=5))
     assert proc.returncode == 0, tail(proc)
     assert [f"batch of {n} x" in proc.stdout for n in (8, 7, 6, 5)] == [True] * 4
     summary = load_run(out)["summary"]
     assert (summary["batch_size_requested"], summary["batch_size_per_process"]) == (8, 5)
     assert summary["effective_batch"] == 5 and summary["first_batches"][0]["batch_size"] == 5
-    assert run_info(out)["status"] == "complete"
+    assert run_info(out)["status"] == "complete" and [s for s, _ in losses(out)] == [1, 2]
 
 
 RENAME_FAILS = """

@@ -258,7 +258,7 @@ def train(cfg: Config) -> dict:
             # adds little, so a step costs less for the same examples (`python -m my_utils bench trainer`).
             train_sampling_strategy="group_by_length",
         )
-        callbacks = [memory_cb, metrics_cb, _count_from_train_begin(counter), *reliability.values()]
+        callbacks = [memory_cb, metrics_cb, _count_from_train_begin(counter, run), *reliability.values()]
         Trainer = course_trainer_class()  # transformers' Trainer; its evaluation sees every row
         trainer = Trainer(model=model, args=args, train_dataset=inputs["train_set"], eval_dataset=inputs["eval_set"],
                           data_collator=counter, callbacks=[c for c in callbacks if c])
@@ -336,15 +336,18 @@ def train(cfg: Config) -> dict:
     return summary
 
 
-def _count_from_train_begin(counter):
-    """A callback that restarts ``counter`` (a TokenCounter) when training begins: an out-of-memory retry
-    (--auto-batch-size) begins training again, and only the attempt that runs to the end counts."""
+def _count_from_train_begin(counter, run):
+    """A callback that restarts the records when training begins: an out-of-memory retry (--auto-batch-size)
+    begins training again, and only the attempt that runs to the end counts, in ``counter`` (a TokenCounter)
+    and in ``run``'s metrics (rows logged by an abandoned attempt are dropped)."""
     from transformers import TrainerCallback
 
     class CountFromTrainBegin(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             counter.tokens = counter.padded_tokens = 0
             counter.previews.clear()
+            if run is not None:
+                run.keep_metrics_until(state.global_step)  # 0, or the step a resumed run starts from
 
     return CountFromTrainBegin()
 
