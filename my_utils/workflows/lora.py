@@ -58,6 +58,10 @@ class Config:
     grad_accum: int = 1
     learning_rate: float | None = None  # default: the preset's (for LoRA; full fine-tuning uses a tenth)
     lr_scaling: str = "none"  # none | linear | sqrt, from the preset's batch to the effective batch
+    lr_scheduler: str | None = None  # cosine, linear, constant, constant_with_warmup; default: the preset's
+    # Batches of similar lengths pad less, but where length follows the task (as in the tiny data) every batch
+    # holds one task and learning suffers: off unless asked for.
+    group_by_length: bool = False
     max_steps: int | None = None
     max_length: int | None = None
     eval_rows: int = 100
@@ -230,7 +234,7 @@ def train(cfg: Config) -> dict:
             per_device_eval_batch_size=batch_size,
             gradient_accumulation_steps=cfg.grad_accum,
             learning_rate=learning_rate,
-            lr_scheduler_type="cosine",
+            lr_scheduler_type=cfg.lr_scheduler or preset.lr_scheduler,
             warmup_steps=0.05,
             max_steps=cfg.max_steps or preset.max_steps,
             logging_steps=cfg.logging_steps,
@@ -256,7 +260,7 @@ def train(cfg: Config) -> dict:
             dataloader_drop_last=True,  # training batches only (course_trainer_class): same shapes on every rank
             # Batches of examples of similar length (shuffled in groups, longest batch first): dynamic padding then
             # adds little, so a step costs less for the same examples (`python -m my_utils bench trainer`).
-            train_sampling_strategy="group_by_length",
+            train_sampling_strategy="group_by_length" if cfg.group_by_length else "random",
         )
         callbacks = [memory_cb, metrics_cb, _count_from_train_begin(counter, run), *reliability.values()]
         Trainer = course_trainer_class()  # transformers' Trainer; its evaluation sees every row
@@ -415,6 +419,10 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--batch-size", type=int, default=None, help="per-process batch (default: the preset's)")
     p.add_argument("--grad-accum", type=int, default=defaults.grad_accum, help="gradient accumulation steps")
     p.add_argument("--learning-rate", type=float, default=None, help="default: the preset's")
+    p.add_argument("--lr-scheduler", default=None, choices=("cosine", "linear", "constant", "constant_with_warmup"),
+                   help="learning-rate schedule (default: the preset's)")
+    p.add_argument("--group-by-length", action="store_true",
+                   help="batches of examples of similar length (less padding; hurts when length follows the task)")
     p.add_argument("--lr-scaling", default=defaults.lr_scaling, choices=("none", "linear", "sqrt"),
                    help="scale the learning rate with the effective batch")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the preset's)")
