@@ -31,11 +31,16 @@ def classification_runs(*paths) -> list[dict]:
 
 
 def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
-    header = ["method", "parallel", "processes", "best eval acc", "peak memory per process", "train time",
-              "samples/s", "trainable params", "folder"]
+    header = ["method", "parallel", "processes", "best eval acc", "peak memory per process",
+              "weights+grads+optimizer per process", "train time", "samples/s", "trainable params", "folder"]
+
+    def per_process(values):
+        return " / ".join(format_bytes(v) for v in values) if values else "-"
+
     rows = [[r["method"], r["parallel"], str(r["world_size"]), f"{r['best_eval_accuracy']:.3f}",
-             " / ".join(format_bytes(b) for b in r["peak_memory_per_rank"]), f"{r['runtime_s']:.1f} s",
-             f"{r['samples_per_s']:.0f}", f"{r['trainable_params']:,}", Path(r["path"]).name] for r in runs]
+             per_process(r["peak_memory_per_rank"]), per_process(r.get("model_state_per_rank")),
+             f"{r['runtime_s']:.1f} s", f"{r['samples_per_s']:.0f}", f"{r['trainable_params']:,}",
+             Path(r["path"]).name] for r in runs]
     return header, rows
 
 
@@ -51,7 +56,8 @@ def classification_table(*paths, markdown: bool = False) -> str:
 
 
 def plot_classification(runs: list[dict], path) -> Path:
-    """Eval accuracy against steps for every run (left), and each process's peak memory (right)."""
+    """Eval accuracy against steps for every run (left), and what each process holds of the model: weights,
+    gradients and optimizer states (right; the peak memory adds the runtime and the activations to it)."""
     from my_utils.memory import MiB
     from my_utils.plots import new_figure, save
 
@@ -65,14 +71,20 @@ def plot_classification(runs: list[dict], path) -> Path:
     curves.grid(alpha=0.3)
     curves.legend(fontsize="small")
     for i, r in enumerate(runs):
-        peaks = r["peak_memory_per_rank"]
-        width = 0.8 / len(peaks)
-        for j, peak in enumerate(peaks):
-            memory.bar(i - 0.4 + width * (j + 0.5), peak / MiB, width * 0.9, color=f"C{j}", label=f"process {j}")
+        parts = [m["breakdown"] for m in r["memory"]]
+        width = 0.8 / len(parts)
+        for j, part in enumerate(parts):
+            x, bottom = i - 0.4 + width * (j + 0.5), 0.0
+            for key, color in (("weights", "C0"), ("gradients", "C1"), ("optimizer_states", "C2")):
+                memory.bar(x, part[key] / MiB, width * 0.9, bottom=bottom, color=color, label=key.replace("_", " "),
+                           edgecolor="white", hatch="//" if j else None)
+                bottom += part[key] / MiB
     memory.set_xticks(range(len(runs)), names, rotation=20, ha="right", fontsize="small")
-    memory.set(ylabel="MiB", title="peak memory of each process")
+    memory.set(ylabel="MiB", title="held by each process (hatched: second process)")
     memory.grid(axis="y", alpha=0.3)
-    unique = dict(zip(*reversed(memory.get_legend_handles_labels())))  # one entry per process
+    unique = {}
+    for handle, label in zip(*memory.get_legend_handles_labels()):
+        unique.setdefault(label, handle)  # one entry per kind, unhatched
     memory.legend(unique.values(), unique.keys(), fontsize="small")
     return save(fig, path)
 

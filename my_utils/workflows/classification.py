@@ -28,7 +28,7 @@ METHODS = ("full", "lora")
 PARALLEL = ("none", "ddp", "pipeline")
 # Learning rates per preset: LoRA trains few, freshly initialised weights and takes a larger step than full
 # fine-tuning, which moves every pretrained weight.
-LEARNING_RATES = {"tiny": {"full": 3e-4, "lora": 3e-3}, "roberta-large": {"full": 2e-5, "lora": 2e-4}}
+LEARNING_RATES = {"tiny": {"full": 5e-4, "lora": 3e-3}, "roberta-large": {"full": 2e-5, "lora": 2e-4}}
 
 
 @dataclass
@@ -104,7 +104,8 @@ def train(cfg: Config) -> dict:
     import torch.nn.functional as F
     from accelerate.utils import set_seed  # (transformers.set_seed would import peft and bitsandbytes: seconds)
 
-    from my_utils.callbacks import gather_to_rank0
+    from my_utils.callbacks import (gather_to_rank0, gradient_bytes, memory_breakdown, model_weight_bytes,
+                                    optimizer_state_bytes)
     from my_utils.data import check_enough_rows, load_classification
     from my_utils.devices import device_inventory, per_rank_device
     from my_utils.launch import check_world_size
@@ -167,7 +168,8 @@ def train(cfg: Config) -> dict:
             example = (eval_set["input_ids"][:micro],), {"attention_mask": eval_set["attention_mask"][:micro]}
             stage, _ = pipeline_stage(model, world_size, rank, torch.device(device), *example)
             del model  # each process keeps only its stage's weights
-            trainable = [p for p in stage.submod.parameters() if p.requires_grad]
+            held = stage.submod  # the weights this process holds
+            trainable = [p for p in held.parameters() if p.requires_grad]
             schedule = make_schedule("gpipe", stage, cfg.microbatches,
                                      loss_fn=lambda out, target: F.cross_entropy(_logits(out), target))
 
@@ -205,6 +207,7 @@ def train(cfg: Config) -> dict:
             from my_utils.launch import is_cpu_only
 
             accelerator = Accelerator(cpu=is_cpu_only())
+            held = model  # the weights this process holds: all of them
             trainable = [p for p in model.parameters() if p.requires_grad]
             model = accelerator.prepare(model)  # DDP wrapper under ddp; unchanged on one process
             part = batch_size // world_size
@@ -232,11 +235,16 @@ def train(cfg: Config) -> dict:
         if rank == last:
             history.append({"step": 0, "eval_accuracy": accuracy_before})
         reset_peak(device)
+        begin = snapshot(device)
         train_time = 0.0
         for step, indices in enumerate(batches, start=1):
             started = time.perf_counter()
             loss = train_step(indices)
+            if step == 1:
+                gradients = gradient_bytes(held)  # held from backward until zero_grad
             optimizer.step()
+            if step == 1:
+                optimizer_states = optimizer_state_bytes(optimizer)
             optimizer.zero_grad(set_to_none=True)
             train_time += time.perf_counter() - started
             if rank == last:
@@ -245,8 +253,10 @@ def train(cfg: Config) -> dict:
                 score = evaluate()
                 if rank == last:
                     history.append({"step": step, "eval_accuracy": score})
-        mine = {"rank": rank, "world_size_seen": world_size, "end": snapshot(device), "history": history,
-                "trainable": sum(p.numel() for p in trainable)}
+        end = snapshot(device)
+        mine = {"rank": rank, "world_size_seen": world_size, "begin": begin, "end": end, "history": history,
+                "trainable": sum(p.numel() for p in trainable),
+                "breakdown": memory_breakdown(model_weight_bytes(held), gradients, optimizer_states, begin, end)}
         reports = gather_to_rank0(mine)
         summary = None
         if run is not None:
@@ -282,8 +292,11 @@ def train(cfg: Config) -> dict:
                 "trainable_params": params["trainable"],
                 "trainable_params_per_rank": [r["trainable"] for r in reports],
                 "total_params": params["total"],
-                "memory": [{"rank": r["rank"], "end": r["end"]} for r in reports],
+                # per process: snapshots, and the peak split into weights, gradients, optimizer states, activations
+                "memory": [{k: r[k] for k in ("rank", "begin", "end", "breakdown")} for r in reports],
                 "peak_memory_per_rank": per_rank_peak,
+                "model_state_per_rank": [sum(r["breakdown"][k] for k in ("weights", "gradients", "optimizer_states"))
+                                         for r in reports],
                 "peak_memory_bytes": max(per_rank_peak),
             }
             run.finish(summary)
