@@ -12,9 +12,10 @@ one folder and one log per measured run) and the command prints a table of ratio
 overhead  The LoRA workflow (``my_utils.workflows.lora``: Trainer, callbacks, recording) against a bare
           accelerate + peft loop on the same model, data, batch, batching and optimizer (plain DataLoader, AdamW,
           ``accelerator.prepare`` / ``backward``): useful (non-padding) tokens per second of training, >= 0.98.
-trainer   The LoRA workflow's defaults against stock trl ``SFTTrainer`` (SFTConfig defaults but for the model,
-          data, batch, steps, learning rate and schedule, which are the same): useful tokens/s, >= 1.25, and the
-          loss after training within 10 % (training loss over the last half, and held-out loss).
+trainer   The LoRA workflow's defaults, and the same with ``--group-by-length``, against stock trl ``SFTTrainer``
+          (SFTConfig defaults but for the model, data, batch, steps, learning rate and schedule, which are the
+          same): useful tokens/s, >= 1.25, with the held-out loss after training at most 10 % above stock's and
+          (random batches in the same order on both sides) the logged training losses within 10 %.
 ddp       The LoRA workflow on 2 processes x 1 thread against 1 process x 1 thread, same global batch
           (``process_scaling``; ``bench/ddp_scaling.py`` runs the same for the DDP lesson): useful tokens/s, >= 1.8.
 memory    One training step of the gpt2 architecture (random weights, batch 4 x 256, one fresh process each):
@@ -272,37 +273,47 @@ def bench_overhead(s: Settings, folder: Path):
 
 
 def bench_trainer(s: Settings, folder: Path):
-    """The LoRA workflow's defaults against stock SFTTrainer on the same data."""
+    """The LoRA workflow's defaults (and with ``--group-by-length``) against stock SFTTrainer on the same data."""
     batch = preset_batch(s)
     variants = {
         "course": lambda out: python_command("run-course", *course_args(s, out, batch)),
+        "grouped": lambda out: python_command("run-course", *course_args(s, out, batch), "--group-by-length"),
         "sft": lambda out: python_command("run-sft", *common_args(s), "--batch-size", batch, "--steps", s.steps,
                                           "--logging-steps", logging_steps(s.steps), "--eval-rows", 64,
                                           "--output-dir", out),
     }
     runs = alternate(variants, s.repeats_for("trainer"), folder, bench_env(s), "trainer")
-    course_runs = [course_figures(p) for p in runs["course"]]
-    sft_runs = [read_json(p / "summary.json") for p in runs["sft"]]
-    wall, cpu = throughput_ratio(course_runs, sft_runs)
-    late = {name: median(late_loss(r["losses"]) for r in rs) for name, rs in (("course", course_runs), ("sft", sft_runs))}
-    held_out = {name: median(r["eval_loss"] for r in rs) for name, rs in (("course", course_runs), ("sft", sft_runs))}
-    loss_gap = {"train_last_half": late["course"] / late["sft"] - 1, "held_out": held_out["course"] / held_out["sft"] - 1}
-    differs = ", ".join(f"{k}: {v}" for k, v in sft_runs[0]["stock_settings"].items()
-                        if k != "find_unused_parameters" and course_runs[0]["settings"].get(k) != v)
-    rows = [
-        ratio_row("trainer", "useful tokens/s, training", "LoRA workflow defaults", "stock trl SFTTrainer", wall,
-                  target=TARGETS["trainer"], cpu_ratio=cpu,
-                  detail=f"useful/padded tokens {useful_fraction(course_runs):.2f} vs {useful_fraction(sft_runs):.2f}; "
-                         f"stock {differs}"),
-        ratio_row("trainer", "held-out loss after training", "LoRA workflow defaults", "stock trl SFTTrainer",
-                  held_out["course"] / held_out["sft"], target=1 + LOSS_TOLERANCE, at_most=True,
-                  detail=f"{s.steps} steps, 64 held-out rows"),
-        # Not a like-for-like trajectory: length-grouped batches hold examples of one length, and later
-        # batches of a group are shorter, so the logged loss follows the lengths as much as the learning.
-        ratio_row("trainer", "training loss, last half of the logged steps", "LoRA workflow defaults",
-                  "stock trl SFTTrainer", late["course"] / late["sft"], detail="length-grouped vs random batches"),
-    ]
-    return {"course": course_runs, "sft": sft_runs, "loss_gap": loss_gap}, rows
+    found = {name: [course_figures(p) for p in runs[name]] for name in ("course", "grouped")}
+    found["sft"] = sft_runs = [read_json(p / "summary.json") for p in runs["sft"]]
+    held_out = {name: median(r["eval_loss"] for r in rs) for name, rs in found.items()}
+    rows = []
+    for name, label in (("course", "LoRA workflow defaults"), ("grouped", "LoRA workflow, --group-by-length")):
+        wall, cpu = throughput_ratio(found[name], sft_runs)
+        differs = ", ".join(f"{k}: {v}" for k, v in sft_runs[0]["stock_settings"].items()
+                            if k != "find_unused_parameters" and found[name][0]["settings"].get(k) != v)
+        rows += [
+            ratio_row("trainer", "useful tokens/s, training", label, "stock trl SFTTrainer", wall,
+                      target=TARGETS["trainer"] if name == "course" else None, cpu_ratio=cpu,
+                      detail=f"useful/padded tokens {useful_fraction(found[name]):.2f} vs "
+                             f"{useful_fraction(sft_runs):.2f}; stock {differs}"),
+            ratio_row("trainer", "held-out loss after training", label, "stock trl SFTTrainer",
+                      held_out[name] / held_out["sft"], target=1 + LOSS_TOLERANCE, at_most=True,
+                      detail=f"{s.steps} steps, 64 held-out rows"),
+        ]
+    # The same random batches in the same order (both seed their sampler with the seed): the logged losses can be
+    # compared window by window. Length-grouped batches cannot: each holds one length, so one kind of task.
+    gap = trajectory_gap(found["course"], sft_runs)
+    rows.append(ratio_row("trainer", "training loss, every logged window: 1 + largest relative gap",
+                          "LoRA workflow defaults", "stock trl SFTTrainer", 1 + gap, target=1 + LOSS_TOLERANCE,
+                          at_most=True, detail=f"{len(sft_runs[0]['losses'])} windows of {logging_steps(s.steps)} steps"))
+    return {**found, "held_out_loss": held_out, "trajectory_gap": gap}, rows
+
+
+def trajectory_gap(measured: list[dict], baseline: list[dict]) -> float:
+    """The largest relative difference between two runs' logged training losses, window by window (the median
+    run's curve of each side, taken point by point)."""
+    curves = [[median(points) for points in zip(*(r["losses"] for r in runs))] for runs in (measured, baseline)]
+    return max(abs(a / b - 1) for a, b in zip(*curves))
 
 
 def late_loss(losses: list[float]) -> float:
@@ -377,6 +388,8 @@ def bench_memory(s: Settings, folder: Path):
                   target=TARGETS["lora_over_full_peak"], at_most=True, detail=f"{shape}, {steps['lora']['peak_what']}"),
         ratio_row("memory", "peak training memory", "LoRA r=8, checkpointed", "full fine-tuning, checkpointed",
                   peak["lora_ckpt"] / peak["full_ckpt"], detail=shape),
+        ratio_row("memory", "peak training memory", "LoRA r=8, checkpointed", "full fine-tuning",
+                  peak["lora_ckpt"] / peak["full"], detail=shape),
     ]
     for method in ("lora", "full"):
         plain, ckpt = steps[method], steps[f"{method}_ckpt"]
@@ -463,8 +476,8 @@ class LoopConfig:
 
 
 def bare_loop(cfg: LoopConfig) -> dict:
-    """A bare accelerate + peft training loop: plain DataLoader, AdamW, cosine schedule with 5 % warm-up, gradient
-    clipping at 1 (the Trainer's defaults, so that both do the same arithmetic). Returns its figures: the whole
+    """A bare accelerate + peft training loop: plain DataLoader, AdamW, the preset's schedule with 5 % warm-up,
+    gradient clipping at 1 (the workflow's settings, so that both do the same arithmetic). Returns its figures: the whole
     loop from ``accelerator.prepare`` (as Trainer.train is timed) and the steady state after ``warmup_steps``."""
     import torch
     from accelerate import Accelerator
@@ -508,7 +521,7 @@ def bare_loop(cfg: LoopConfig) -> dict:
     learning_rate = cfg.learning_rate or (preset.learning_rate if cfg.method == "lora" else preset.learning_rate / 10)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate,
                                   weight_decay=0.0)
-    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=math.ceil(0.05 * cfg.steps),
+    scheduler = get_scheduler(preset_schedule(preset), optimizer, num_warmup_steps=math.ceil(0.05 * cfg.steps),
                               num_training_steps=cfg.steps)
 
     def sync():
@@ -577,6 +590,11 @@ def _window_end(start: dict, counter) -> dict:
     return {"runtime_s": seconds, "cpu_s": cpu_seconds, "tokens": tokens, "padded_tokens": padded,
             "tokens_per_s": tokens / seconds, "cpu_tokens_per_s": tokens / cpu_seconds,
             "processed_tokens_per_s": padded / seconds, "processed_tokens_per_cpu_s": padded / cpu_seconds}
+
+
+def preset_schedule(preset) -> str:
+    """The learning-rate schedule the LoRA workflow uses by default for ``preset``."""
+    return getattr(preset, "lr_scheduler", "cosine")
 
 
 def _forever(loader):
@@ -751,7 +769,8 @@ def stock_sft(args) -> dict:
         output_dir=str(Path(args.output_dir) / "trainer"),
         per_device_train_batch_size=args.batch_size or preset.batch_size,
         per_device_eval_batch_size=args.batch_size or preset.batch_size,
-        learning_rate=preset.learning_rate, lr_scheduler_type="cosine", warmup_steps=0.05, max_steps=args.steps,
+        learning_rate=preset.learning_rate, lr_scheduler_type=preset_schedule(preset), warmup_steps=0.05,
+        max_steps=args.steps,
         max_length=preset.max_length, logging_steps=args.logging_steps, save_strategy="no", report_to="none",
         seed=args.seed, use_cpu=is_cpu_only(),
     )
