@@ -157,7 +157,6 @@ def train(cfg: Config) -> dict:
             model = add_lora(model, cfg.rank, cfg.alpha, preset.classifier_lora_targets, task_type="SEQ_CLS")
         params = count_parameters(model)
         print0(f"{cfg.method}, {cfg.parallel}: {params['trainable']:,} of {params['total']:,} parameters train")
-        model.to(device)
         history = []  # (step, loss) or (step, accuracy), kept by the process that knows them
 
         def columns(indices, part=slice(None)):
@@ -166,6 +165,7 @@ def train(cfg: Config) -> dict:
         if cfg.parallel == "pipeline":
             micro = batch_size // cfg.microbatches
             example = (eval_set["input_ids"][:micro],), {"attention_mask": eval_set["attention_mask"][:micro]}
+            # traced on the CPU; build_stage then moves this process's stage to its device
             stage, _ = pipeline_stage(model, world_size, rank, torch.device(device), *example)
             del model  # each process keeps only its stage's weights
             held = stage.submod  # the weights this process holds
@@ -207,7 +207,7 @@ def train(cfg: Config) -> dict:
             from my_utils.launch import is_cpu_only
 
             accelerator = Accelerator(cpu=is_cpu_only())
-            held = model  # the weights this process holds: all of them
+            held = model.to(device)  # the weights this process holds: all of them
             trainable = [p for p in model.parameters() if p.requires_grad]
             model = accelerator.prepare(model)  # DDP wrapper under ddp; unchanged on one process
             part = batch_size // world_size
