@@ -107,11 +107,19 @@ def pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def mask_tokens(ids: torch.Tensor, attention: torch.Tensor, tokenizer, probability: float, generator: torch.Generator):
-    """BERT masking: pick ``probability`` of the real tokens; 80% become <mask>, 10% random, 10% unchanged."""
+    """BERT masking plus one sentence-level target; returns (inputs, labels) for ``RobertaForMaskedLM``.
+
+    ``probability`` of the real tokens are picked; 80% of them become <mask>, 10% a random token, 10% stay. As well,
+    the <s> position must predict one of the picked tokens: a cheap self-supervised objective that makes the first
+    token (the one ``RobertaForSequenceClassification`` classifies from) summarise the text it sits in.
+    """
     special = torch.tensor(tokenizer.all_special_ids)
     candidates = attention.bool() & ~torch.isin(ids, special)
     chosen = candidates & (torch.rand(ids.shape, generator=generator) < probability)
     labels = torch.where(chosen, ids, -100)
+    pick = (torch.rand(ids.shape, generator=generator) * chosen).argmax(dim=1)  # a random picked position per row
+    rows = chosen.any(dim=1)
+    labels[rows, 0] = ids[rows, pick[rows]]
     roll = torch.rand(ids.shape, generator=generator)
     inputs = ids.clone()
     inputs[chosen & (roll < 0.8)] = tokenizer.mask_token_id
@@ -188,7 +196,8 @@ def pretrain_causal(data: Path, tokenizer_dir: Path, out: Path) -> None:
 
 def pretrain_encoder(data: Path, tokenizer_dir: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(
-        tokenizer_dir, add_bos_token=True, add_eos_token=True, model_max_length=ENCODER["max_length"]
+        tokenizer_dir, add_bos_token=True, add_eos_token=True, model_max_length=ENCODER["max_length"],
+        cls_token="<s>", sep_token="</s>",  # RoBERTa convention: the sentence is wrapped in <s> ... </s>
     )
     rows = read_jsonl(data / "pretrain.jsonl", INSTRUCTION_COLUMNS)
     sentences = [row["text"] for row in read_jsonl(data / "classification_train.jsonl", CLASSIFICATION_COLUMNS)]
