@@ -1,4 +1,4 @@
-"""``python -m my_utils <command>``: demo, compare, plan, env, bench. ``--help`` lists them; ``<command> --help``
+"""``python -m my_utils <command>``: demo, compare, plan, env, sweep, bench. ``--help`` lists them; ``<command> --help``
 explains one.
 
     python -m my_utils compare runs/run_1_cpu_x2 --out comparison/
@@ -18,6 +18,7 @@ def main(argv=None) -> None:
         "compare": ("tables and plots from results folders", "my_utils.compare"),
         "plan": ("predict a training run's peak memory per device, and whether it fits", "my_utils.planner"),
         "env": ("devices, versions and the accelerate config in use", "my_utils.env"),
+        "sweep": ("a LoRA rank sweep, one fresh process per rank; finished ranks are skipped", "my_utils.sweep"),
         "bench": ("benchmarks of the course's defaults against the usual alternatives, as ratios", "my_utils.bench"),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
