@@ -1,17 +1,19 @@
 """Benchmarks: the course's defaults against the usual alternatives, each figure a ratio to a baseline measured in
 the same run (absolute times on a shared machine drift; a ratio of runs taken side by side drifts much less).
 
-    python -m my_utils bench                           # every benchmark (tiny preset; ~12 minutes on 2 CPU cores)
-    python -m my_utils bench overhead trainer          # some of them
-    python -m my_utils bench --quick                   # a smoke run: a few steps, one repeat, small models
-    python -m my_utils bench --preset gpt2 --random-init --memory-preset gpt2   # a GPU (bf16 where supported)
+    python -m my_utils bench                   # every benchmark: about 10 minutes on 2 idle CPU cores
+    python -m my_utils bench overhead trainer  # some of them
+    python -m my_utils bench --quick           # a smoke run: a few steps, one repeat, the tiny model everywhere
+    python -m my_utils bench --preset gpt2 --random-init   # a GPU: bf16 where supported (overhead, trainer and
+                                               # ddp read the preset's tokenizer and data: online, or cached)
 
 Each benchmark writes ``runs/bench/<name>[_n]/`` (run.json; summary.json with every measurement and the ratios;
 one folder and one log per measured run) and the command prints a table of ratios, each named with its baseline:
 
 overhead  The LoRA workflow (``my_utils.workflows.lora``: Trainer, callbacks, recording) against a bare
           accelerate + peft loop on the same model, data, batch, batching and optimizer (plain DataLoader, AdamW,
-          ``accelerator.prepare`` / ``backward``): useful (non-padding) tokens per second of training, >= 0.98.
+          ``accelerator.prepare`` / ``backward``): useful (non-padding) tokens per second of training, over the
+          whole training call and in the steady state after the first steps, >= 0.98.
 trainer   The LoRA workflow's defaults, and the same with ``--group-by-length``, against stock trl ``SFTTrainer``
           (SFTConfig defaults but for the model, data, batch, steps, learning rate and schedule, which are the
           same): useful tokens/s, >= 1.25, with the held-out loss after training at most 10 % above stock's and
@@ -19,12 +21,13 @@ trainer   The LoRA workflow's defaults, and the same with ``--group-by-length``,
 ddp       The LoRA workflow on 2 processes x 1 thread against 1 process x 1 thread, same global batch
           (``process_scaling``; ``bench/ddp_scaling.py`` runs the same for the DDP lesson): useful tokens/s, >= 1.8.
 memory    One training step of the gpt2 architecture (random weights, batch 4 x 256, one fresh process each):
-          LoRA's peak against full fine-tuning's, <= 0.5 (peak allocated on CUDA; on a CPU the peak RSS above the
-          process's size before the model was built); the same with gradient checkpointing on both; what
+          LoRA's peak against full fine-tuning's, <= 0.5 (peak allocated on CUDA; on a CPU the weights and AdamW
+          states plus the RSS rise during the step); the same with gradient checkpointing on both; what
           checkpointing saves (activations kept for backward) and costs (step time); and, through
           ``bench/qlora_memory.py``, 4-bit NF4 weights against bf16 on the opt-350m architecture, <= 0.35.
 mfu       Model FLOPs utilization: the FLOP/s a training loop achieves (``model_flops_per_token``, below) over the
-          machine's own matmul peak measured in the same process (a large fp32 matmul on a CPU, bf16 on a GPU).
+          machine's own matmul peak measured in the same process (a large fp32 matmul on a CPU, bf16 on a GPU),
+          for LoRA and full fine-tuning loops on blocks of random tokens (FLOPs do not depend on the values).
 
 How runs are measured: every run is a fresh process (no allocator cache, thread pool or peak counter carries
 over); configurations alternate (A B, then B A) ``--repeats`` times so that a change of load hits both; a ratio is
@@ -48,8 +51,8 @@ adapters' weights (A and B), L layers of width d:
     backward, weight gradients 2 N  for full fine-tuning; 2 N_a only for LoRA (the base weights are frozen)
     attention (no weights)     12 L d s          QK^T and AV: 4 L d s forward, twice that backward (PaLM's count,
                                                  no discount for the causal mask)
-so full fine-tuning is 6 N + 12 L d s and LoRA 4 N + 6 N_a + 12 L d s; counting LoRA as 6 N overstates its FLOPs
-by half of N's share. Autograd also skips the input gradient of the lowest adapted layer when nothing below it
+so full fine-tuning is 6 N + 12 L d s and LoRA 4 N + 6 N_a + 12 L d s; counting LoRA as 6 N adds 2 N that never
+run. Autograd also skips the input gradient of the lowest adapted layer when nothing below it
 trains; that is under 1/L of N and is not subtracted.
 """
 
