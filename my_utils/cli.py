@@ -24,6 +24,19 @@ def run_main(body, prefix: str = "my_utils"):
     except UserError as e:
         print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    end_process_group()
     if isinstance(summary, dict):
         print0(format_summary(summary))
     return summary
+
+
+def end_process_group() -> None:
+    """Destroy this process's process group, if it has one, after a successful run.
+
+    Left to interpreter shutdown, gloo's worker threads can outlive the objects they use and the process then
+    aborts ("terminate called without an active exception") after its work is done. Not called after an error:
+    the other ranks may still be inside a collective.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

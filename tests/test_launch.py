@@ -119,3 +119,29 @@ def test_launch_replaces_a_taken_port(monkeypatch):
     assert seen["num_processes"] == 2 and seen["port"] != taken
     if launch.is_cpu_only():  # the CPU trap: without it the workers would not form one world
         assert seen["cpu"] == "1"
+
+
+def test_a_successful_run_ends_its_process_group_and_a_failed_one_keeps_it():
+    """Left to interpreter shutdown, a gloo group can abort the finished process; after an error the other
+    ranks may still be in a collective, so the group must not be torn down then."""
+    import torch.distributed as dist
+
+    from my_utils.cli import run_main
+
+    def body():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1)
+        return {"ok": 1}
+
+    assert run_main(body) == {"ok": 1}
+    assert not dist.is_initialized()
+
+    def failing():
+        body()
+        raise UserError("bad input")
+
+    with pytest.raises(SystemExit):
+        run_main(failing)
+    try:
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
