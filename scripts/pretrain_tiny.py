@@ -52,8 +52,8 @@ CAUSAL = {  # GPT-2 architecture and training recipe
     "warmup": 100,
 }
 ENCODER = {  # RoBERTa architecture and masked-LM recipe
-    "config": {"num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 128, "intermediate_size": 512,
-               "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+    # RoBERTa's default dropout (0.1) is kept: lesson 09's expected accuracies were measured on these weights.
+    "config": {"num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 128, "intermediate_size": 512},
     "max_length": 128,
     "steps": 1000,
     "batch_size": 32,
@@ -107,19 +107,11 @@ def pad(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 
 def mask_tokens(ids: torch.Tensor, attention: torch.Tensor, tokenizer, probability: float, generator: torch.Generator):
-    """BERT masking plus one sentence-level target; returns (inputs, labels) for ``RobertaForMaskedLM``.
-
-    ``probability`` of the real tokens are picked; 80% of them become <mask>, 10% a random token, 10% stay. As well,
-    the <s> position must predict one of the picked tokens: a cheap self-supervised objective that makes the first
-    token (the one ``RobertaForSequenceClassification`` classifies from) summarise the text it sits in.
-    """
+    """BERT masking: pick ``probability`` of the real tokens; 80% become <mask>, 10% random, 10% unchanged."""
     special = torch.tensor(tokenizer.all_special_ids)
     candidates = attention.bool() & ~torch.isin(ids, special)
     chosen = candidates & (torch.rand(ids.shape, generator=generator) < probability)
     labels = torch.where(chosen, ids, -100)
-    pick = (torch.rand(ids.shape, generator=generator) * chosen).argmax(dim=1)  # a random picked position per row
-    rows = chosen.any(dim=1)
-    labels[rows, 0] = ids[rows, pick[rows]]
     roll = torch.rand(ids.shape, generator=generator)
     inputs = ids.clone()
     inputs[chosen & (roll < 0.8)] = tokenizer.mask_token_id
