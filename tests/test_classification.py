@@ -87,3 +87,8 @@ def test_one_device_ddp_and_pipeline_do_the_same_arithmetic(tmp_path, subprocess
     assert sum(pipe["trainable_params_per_rank"]) == one["trainable_params"] == ddp["trainable_params_per_rank"][0]
     table = classification_table(tmp_path)
     assert all(p in table for p in ("none", "ddp", "pipeline"))
+    # the general comparison shows accuracy before -> after, as it shows exact match for the LoRA lessons
+    from my_utils.compare import overview
+
+    after = f"{one['eval_curve'][0][1]:.2f} -> {one['eval_curve'][-1][1]:.2f}"
+    assert any(line.startswith("none") and after in line for line in overview(tmp_path, root=tmp_path).splitlines())

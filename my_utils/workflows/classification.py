@@ -283,7 +283,7 @@ def train(cfg: Config) -> dict:
                 "accuracy_before": curve[0][1],
                 "eval_curve": curve,
                 "best_eval_accuracy": max(a for s, a in curve[1:]),
-                "final_eval_accuracy": curve[-1][1],
+                "accuracy_after": curve[-1][1],  # after the last step, as exact_match_after
                 "train_loss_first": losses[0],
                 "train_loss_final": losses[-1],
                 "runtime_s": train_time,
