@@ -170,13 +170,14 @@ def ratio_row(benchmark: str, figure: str, measured: str, baseline: str, ratio: 
             "met": met, "detail": detail}
 
 
-def render_table(rows: list[dict]) -> str:
-    from my_utils.compare import text_table
+def render_table(rows: list[dict], markdown: bool = False) -> str:
+    """The ratio rows as a text table (terminal) or a markdown one (README)."""
+    from my_utils.compare import markdown_table, text_table
 
     def verdict(r):
         return "-" if r["target"] is None else f"{r['target']} {'met' if r['met'] else 'MISSED'}"
 
-    return text_table(
+    return (markdown_table if markdown else text_table)(
         ["benchmark", "ratio", "CPU-time est.", "target", "measured", "baseline", "figure"],
         [[r["benchmark"], f"{r['ratio']:.3f}", "-" if r["cpu_time_ratio"] is None else f"{r['cpu_time_ratio']:.3f}",
           verdict(r), r["measured"], r["baseline"], r["figure"] + (f" ({r['detail']})" if r["detail"] else "")]

@@ -1,0 +1,67 @@
+"""The committed reference runs: how a results folder is saved under runs/reference/ (records, not weights, and no
+paths of the machine that ran it) and how the README's results section is generated from them."""
+
+import importlib.util
+
+import pytest
+
+from my_utils import bench
+from my_utils.launch import REPO_ROOT
+from my_utils.runs import Run, read_json
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lora_run(path, origin):
+    run = Run.create(path, config={"preset": "tiny", "method": "lora", "output_dir": str(path)}, command=["test"],
+                     world_size=1, devices=[{"kind": "cpu", "index": None, "name": "Test CPU", "cores": 2}])
+    run.log_metrics({"step": 1, "loss": 2.0})
+    run.finish({"workflow": "lora", "preset": "tiny", "method": "lora", "world_size": 1, "steps": 1,
+                "train_loss_first": 2.0, "train_loss_final": 1.0, "exact_match_before": 0.05,
+                "exact_match_after": 0.5, "samples_per_s": 10.0, "base_model": f"{origin}/assets/tiny/causal_lm"})
+
+
+def test_saving_keeps_records_drops_weights_and_machine_paths(tmp_path, monkeypatch):
+    save_reference = load_script("save_reference")
+    monkeypatch.setattr(save_reference, "REFERENCE", tmp_path / "reference")
+    origin = tmp_path / "checkout"  # a checkout elsewhere on the machine that wrote the folder
+    (origin / "my_utils").mkdir(parents=True)
+    source = origin / "runs" / "run_1_cpu_x2"
+    lora_run(source / "04_lora" / "lora", origin)
+    (source / "04_lora" / "lora" / "adapter").mkdir()
+    (source / "04_lora" / "lora" / "adapter" / "adapter_model.safetensors").write_bytes(b"0" * 100)
+    (source / "04_lora" / "lora" / "checkpoints" / "checkpoint-1").mkdir(parents=True)
+    (source / "04_lora" / "lora" / "checkpoints" / "checkpoint-1" / "trainer_state.json").write_text("{}")
+    (source / "04_lora.ipynb").write_text(f'{{"note": "ran in {origin}/notebooks"}}')
+
+    saved = save_reference.save(source, "cpu_x2")
+    files = sorted(p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.is_file())
+    assert files == ["04_lora.ipynb", "04_lora/lora/metrics.jsonl", "04_lora/lora/run.json",
+                     "04_lora/lora/summary.json"]
+    assert read_json(saved / "04_lora/lora/summary.json")["base_model"] == "assets/tiny/causal_lm"
+    assert str(origin) not in "".join(p.read_text() for p in saved.rglob("*") if p.is_file())
+    with pytest.raises(SystemExit, match="exists already"):
+        save_reference.save(source, "cpu_x2")
+
+
+def test_readme_section_has_comparison_and_benchmark_tables(tmp_path, monkeypatch):
+    update_readme = load_script("update_readme")
+    reference = tmp_path / "reference"
+    monkeypatch.setattr(update_readme, "REFERENCE", reference)
+    lora_run(reference / "cpu_x2" / "04_lora" / "lora", tmp_path)
+    rows = [bench.ratio_row("overhead", "useful tokens/s", "workflow", "bare loop", 0.99, target=0.98)]
+    Run.create(reference / "cpu_bench" / "overhead", config={}, command=["test"]).finish(
+        {"benchmark": "overhead", "ratios": rows})
+    Run.create(reference / "cpu_bench" / "ddp", config={}, command=["test"]).fail("RuntimeError: boom")
+
+    section = update_readme.results_section()
+    assert section.startswith(update_readme.START) and section.endswith(update_readme.END)
+    assert "### `runs/reference/cpu_x2` — Test CPU (2 cores)" in section
+    assert "0.05 -> 0.50" in section  # the quality table of the comparison
+    assert "| overhead | 0.990 |" in section and ">= 0.98 met" in section
+    assert "| ddp |" not in section  # a failed benchmark never enters a table
