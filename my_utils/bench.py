@@ -1,10 +1,10 @@
 """Benchmarks: the course's defaults against the usual alternatives, each figure a ratio to a baseline measured in
 the same run (absolute times on a shared machine drift; a ratio of runs taken side by side drifts much less).
 
-    python -m my_utils bench                   # every benchmark: about 10 minutes on 2 idle CPU cores
+    python -m my_utils bench                   # every benchmark: about 7 minutes on 2 idle CPU cores
     python -m my_utils bench overhead trainer  # some of them
     python -m my_utils bench --quick           # a smoke run: a few steps, one repeat, the tiny model everywhere
-    python -m my_utils bench --preset gpt2 --random-init   # a GPU: bf16 where supported (overhead, trainer and
+    python -m my_utils bench --preset gpt2 --random-init   # a GPU: bf16 where native (overhead, trainer and
                                                # ddp read the preset's tokenizer and data: online, or cached)
 
 Each benchmark writes ``runs/bench/<name>[_n]/`` (run.json; summary.json with every measurement and the ratios;
@@ -26,7 +26,7 @@ memory    One training step of the gpt2 architecture (random weights, batch 4 x 
           checkpointing saves (activations kept for backward) and costs (step time); and, through
           ``bench/qlora_memory.py``, 4-bit NF4 weights against bf16 on the opt-350m architecture, <= 0.35.
 mfu       Model FLOPs utilization: the FLOP/s a training loop achieves (``model_flops_per_token``, below) over the
-          machine's own matmul peak measured in the same process (a large fp32 matmul on a CPU, bf16 on a GPU),
+          machine's own matmul peak measured in the same process (a large matmul in the loops' precision),
           for LoRA and full fine-tuning loops on blocks of random tokens (FLOPs do not depend on the values).
 
 How runs are measured: every run is a fresh process (no allocator cache, thread pool or peak counter carries
@@ -96,7 +96,7 @@ class Settings:
     threads: int = 1  # intra-op threads per process on a CPU
     memory_batch: int = 4
     memory_seq: int = 256
-    bf16: bool = False  # bf16 mixed precision (set on a GPU that supports it)
+    bf16: bool = False  # bf16 mixed precision (by default where the device computes it natively)
     quick: bool = False
     output_root: str = str(BENCH_ROOT)
 
@@ -813,14 +813,14 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
     just before it. The peak: on CUDA, peak allocated memory; on a CPU, the weights and AdamW's states (from their
     tensors) plus how far the RSS rose above its level at the start of the step (activations, gradients,
     temporaries), so that neither the libraries' memory nor code loaded on first use counts as training memory.
-    bf16 autocast on a GPU that supports it."""
+    bf16 autocast where the device computes bf16 natively, as the LoRA workflow's default precision."""
     import gc
     from contextlib import nullcontext
 
     import torch
 
     from my_utils.callbacks import SavedActivations, gradient_bytes, model_weight_bytes, optimizer_state_bytes
-    from my_utils.devices import cuda_available, per_rank_device
+    from my_utils.devices import native_bf16, per_rank_device
     from my_utils.memory import peak_bytes, reset_peak, snapshot
     from my_utils.models import add_lora, build_causal_lm, set_threads
     from my_utils.presets import get_preset
@@ -837,8 +837,8 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
     if method == "lora":
         model = add_lora(model, 8, targets=preset.lora_targets)
     model.train()
-    bf16 = cuda_available() and torch.cuda.is_bf16_supported()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext()
+    bf16 = native_bf16()
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if bf16 else nullcontext()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     vocab = model.config.vocab_size
 
@@ -955,7 +955,7 @@ WORKERS = {"run-course": course_main, "run-loop": loop_main, "run-sft": sft_main
 
 
 def parse_args(argv=None) -> tuple[list[str], Settings]:
-    from my_utils.devices import cuda_available
+    from my_utils.devices import native_bf16
 
     p = argparse.ArgumentParser(prog="python -m my_utils bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -975,7 +975,8 @@ def parse_args(argv=None) -> tuple[list[str], Settings]:
     p.add_argument("--memory-batch", type=int, default=defaults.memory_batch)
     p.add_argument("--memory-seq", type=int, default=defaults.memory_seq)
     p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
-                   help="auto: bf16 mixed precision on a GPU that supports it, else fp32")
+                   help="auto: bf16 mixed precision where the device computes it natively (the LoRA workflow's "
+                   "default), else fp32")
     p.add_argument("--output-root", default=str(BENCH_ROOT), help="where the results folders go")
     args = p.parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
@@ -989,14 +990,10 @@ def parse_args(argv=None) -> tuple[list[str], Settings]:
     if args.steps <= 2 * WARMUP_STEPS:
         raise UserError(f"--steps {args.steps} leaves too few steps after the {WARMUP_STEPS} warm-up steps; "
                         f"use --steps {2 * WARMUP_STEPS + 1} or more.")
-    if args.precision == "bf16" and not cuda_available():
-        raise UserError("bf16 mixed precision is for GPUs here; drop --precision bf16 on a CPU.")
-    if args.precision == "auto":
-        import torch
-
-        bf16 = cuda_available() and torch.cuda.is_bf16_supported()
-    else:
-        bf16 = args.precision == "bf16"
+    if args.precision == "bf16" and not native_bf16():
+        raise UserError("This device has no native bf16 arithmetic, so bf16 would only be slower; use --precision "
+                        "auto or fp32.")
+    bf16 = native_bf16() if args.precision == "auto" else args.precision == "bf16"
     from my_utils.presets import get_preset
 
     for name in (args.preset, args.memory_preset, args.qlora_preset):

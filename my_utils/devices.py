@@ -22,6 +22,19 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def native_bf16() -> bool:
+    """True when the training device computes bf16 natively: a CUDA GPU that supports it, or a CPU with AVX-512 BF16
+    or AMX instructions. Elsewhere bf16 is emulated and slower than fp32. On a GPU this initialises CUDA: ask inside
+    the launched worker, as the workflows do."""
+    import torch
+
+    if cuda_available():
+        return torch.cuda.is_bf16_supported()
+    # private helpers of torch.cpu (present in torch 2.x); missing ones count as "no"
+    return any(getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported",
+                                                                        "_is_amx_tile_supported"))
+
+
 def device_kind() -> str:
     """'cuda' when GPUs are present, else 'cpu' (used in run-folder names)."""
     return "cuda" if cuda_available() else "cpu"

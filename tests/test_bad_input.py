@@ -132,7 +132,7 @@ def check(tmp_path, **changes):
     ({"timeout_s": 0}, "--timeout-s must be a positive number"),
     ({"dropout": 1.5}, "--dropout must be at least 0 and below 1"),
     ({"method": "qlora"}, "Unknown method 'qlora'; choose one of lora, full"),
-    ({"mixed_precision": "fp8"}, "Unknown mixed precision 'fp8'; choose one of no, fp16, bf16"),
+    ({"mixed_precision": "fp8"}, "Unknown mixed precision 'fp8'; choose one of auto, no, fp16, bf16"),
     ({"quantize": "4bit", "random_init": True}, "Quantization needs pretrained weights"),
     ({"targets": ()}, "--targets names no module"),
     ({"targets": ("c_attn", "query")}, "LoRA target module 'query' matches nothing"),
@@ -182,7 +182,9 @@ def test_more_processes_than_cores_is_refused(tmp_path, monkeypatch):
 
 
 def _finished_run(path: Path, status: str, **config) -> Path:
-    run = Run.create(path, config={**vars(lora.Config(output_dir=str(path))), **config}, world_size=1)
+    # as a real run records it: "auto" precision settled to what this machine runs
+    recorded = lora.Config(output_dir=str(path), mixed_precision=lora.default_mixed_precision("none"))
+    run = Run.create(path, config={**vars(recorded), **config}, world_size=1)
     if status == "complete":
         run.finish({"steps": 1})
     else:

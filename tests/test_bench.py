@@ -33,6 +33,17 @@ def test_bad_input_is_one_sentence(argv, message):
         bench.parse_args(argv)
 
 
+def test_precision_follows_the_devices_native_bf16(monkeypatch):
+    from my_utils import devices
+
+    monkeypatch.setattr(devices, "native_bf16", lambda: False)
+    assert not bench.parse_args([])[1].bf16
+    with pytest.raises(UserError, match="no native bf16"):
+        bench.parse_args(["--precision", "bf16"])
+    monkeypatch.setattr(devices, "native_bf16", lambda: True)
+    assert bench.parse_args([])[1].bf16 and not bench.parse_args(["--precision", "fp32"])[1].bf16
+
+
 def test_ratio_rows_and_table():
     rows = [bench.ratio_row("overhead", "useful tokens/s", "workflow", "bare loop", 0.99, target=0.98, cpu_ratio=1.0),
             bench.ratio_row("memory", "peak", "LoRA", "full", 0.6, target=0.5, at_most=True),

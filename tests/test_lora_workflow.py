@@ -79,3 +79,28 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, quantize):
     else:
         assert summary["quantization"] is None
         assert summary["memory"][0]["breakdown"]["weights"] >= 4 * summary["total_params"]
+
+
+@pytest.mark.parametrize("cuda, cpu_flags, quantize, expected", [
+    (False, {"_is_avx512_bf16_supported": True}, "none", "bf16"),  # a CPU with native bf16
+    (False, {"_is_amx_tile_supported": True}, "none", "bf16"),
+    (False, {}, "none", "no"),  # bf16 would be emulated: slower than fp32
+    (False, {"_is_avx512_bf16_supported": True}, "4bit", "no"),  # bitsandbytes' CPU path stays in fp32
+])
+def test_auto_mixed_precision_is_bf16_only_where_native(monkeypatch, cuda, cpu_flags, quantize, expected):
+    import torch
+
+    from my_utils import devices, launch
+    from my_utils.workflows.lora import Config, default_mixed_precision, validate
+
+    monkeypatch.setattr(devices, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(launch, "is_cpu_only", lambda: not cuda)
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda flag=cpu_flags.get(name, False): flag, raising=False)
+    assert default_mixed_precision(quantize) == expected
+    cfg = Config(quantize=quantize)
+    validate(cfg)
+    assert cfg.mixed_precision == expected  # settled before the results folder records the config
+    cfg = Config(quantize=quantize, mixed_precision="no")
+    validate(cfg)
+    assert cfg.mixed_precision == "no"  # an explicit choice is kept

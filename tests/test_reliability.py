@@ -23,6 +23,7 @@ from my_utils.launch import REPO_ROOT, accelerate_command
 from my_utils.runs import load_run
 from my_utils.training import (CHECKPOINT_MANIFEST, checkpoint_problem, find_resume_checkpoint,
                                write_checkpoint_manifest)
+from my_utils.workflows.lora import default_mixed_precision
 
 COMMON = ["--preset", "tiny", "--logging-steps", "1", "--batch-size", "4", "--save-steps", "2"]
 STEPS = 6
@@ -234,7 +235,8 @@ def test_rank_exit_ends_the_job_naming_it_and_a_resume_reproduces_the_losses(two
     assert two_processes["proc"].returncode == 0, tail(two_processes["proc"])
     info = run_info(baseline)
     assert info["world_size"] == 2 and info["backend"] == "gloo"  # not the stray config's 4 processes
-    assert load_run(baseline)["summary"]["mixed_precision"] == "no"
+    # the course's own default precision, not the stray config's fp16
+    assert load_run(baseline)["summary"]["mixed_precision"] == default_mixed_precision("none")
     assert load_run(baseline)["summary"]["eval_loss"] is not None
 
     out = tmp / "crashed"

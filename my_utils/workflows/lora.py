@@ -37,7 +37,7 @@ from my_utils import UserError
 from my_utils.runs import RUNS_ROOT
 
 METHODS = ("lora", "full")
-MIXED_PRECISION = ("no", "fp16", "bf16")
+MIXED_PRECISION = ("auto", "no", "fp16", "bf16")
 CHECKPOINTS = "checkpoints"  # the Trainer's checkpoints, inside the results folder
 KEEP_CHECKPOINTS = 2  # the newest and the one before: a save cut short leaves a whole one to resume from
 # Settings a resumed run may change: where and how it runs, not what it trains.
@@ -78,11 +78,12 @@ class Config:
     resume: bool = False  # continue output_dir from its newest whole checkpoint
     timeout_s: float = 1800  # how long a collective waits for a rank that stopped before the job fails
     auto_batch_size: bool = False  # on out-of-memory, retry with a smaller batch (the summary records it)
-    mixed_precision: str = "no"  # no | fp16 (GPUs only) | bf16
+    mixed_precision: str = "auto"  # auto (bf16 where native, else no) | no | fp16 (GPUs only) | bf16
     trust_remote_code: bool = False  # let a hub model run its own Python code (off unless asked for)
 
 
 def validate(cfg: Config):
+    """Check ``cfg`` (one sentence per problem) and settle ``mixed_precision="auto"``; returns the preset."""
     """Check the settings before anything starts (nothing heavy is imported, nothing is written); returns the
     preset. Files are checked next, by ``load_inputs``, also before the results folder is touched."""
     from my_utils.launch import check_process_count
@@ -119,6 +120,8 @@ def validate(cfg: Config):
         raise UserError(f"--dropout must be at least 0 and below 1, got {cfg.dropout!r}.")
     if cfg.mixed_precision not in MIXED_PRECISION:
         raise UserError(f"Unknown mixed precision {cfg.mixed_precision!r}; choose one of {', '.join(MIXED_PRECISION)}.")
+    if cfg.mixed_precision == "auto":
+        cfg.mixed_precision = default_mixed_precision(cfg.quantize)
     if cfg.num_processes is not None:
         check_process_count(cfg.num_processes)
     if cfg.resume:
@@ -135,6 +138,18 @@ def validate(cfg: Config):
         if is_cpu_only():
             raise UserError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no.")
     return preset
+
+
+def default_mixed_precision(quantize: str) -> str:
+    """bf16 where the device computes it natively, as trl's SFTConfig defaults to: on such a CPU it doubles the
+    matmul rate and the tiny lessons learn as well (``python -m my_utils bench trainer`` measures both). A quantized
+    model on a CPU keeps fp32 compute: bitsandbytes' CPU kernels are what the QLoRA lesson checks."""
+    from my_utils.devices import native_bf16
+    from my_utils.launch import is_cpu_only
+
+    if quantize != "none" and is_cpu_only():
+        return "no"
+    return "bf16" if native_bf16() else "no"
 
 
 def load_inputs(cfg: Config, preset, world_size: int) -> dict:
@@ -448,7 +463,8 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--auto-batch-size", action="store_true",
                    help="on out-of-memory, retry with a smaller per-process batch (recorded in summary.json)")
     p.add_argument("--mixed-precision", default=defaults.mixed_precision, choices=MIXED_PRECISION,
-                   help="fp16 needs a GPU; bf16 runs on recent GPUs and on CPUs")
+                   help="auto: bf16 where the device computes it natively (recent GPUs, CPUs with AVX-512 BF16 or "
+                   "AMX), else no; fp16 needs a GPU")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let a hub model run its own Python code (off: only transformers' own classes load)")
     args = p.parse_args(argv)
