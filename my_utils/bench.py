@@ -813,14 +813,15 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
     just before it. The peak: on CUDA, peak allocated memory; on a CPU, the weights and AdamW's states (from their
     tensors) plus how far the RSS rose above its level at the start of the step (activations, gradients,
     temporaries), so that neither the libraries' memory nor code loaded on first use counts as training memory.
-    bf16 autocast where the device computes bf16 natively, as the LoRA workflow's default precision."""
+    bf16 autocast when the benchmark runs in bf16 (by default where the device computes it natively, as the LoRA
+    workflow)."""
     import gc
     from contextlib import nullcontext
 
     import torch
 
     from my_utils.callbacks import SavedActivations, gradient_bytes, model_weight_bytes, optimizer_state_bytes
-    from my_utils.devices import native_bf16, per_rank_device
+    from my_utils.devices import per_rank_device
     from my_utils.memory import peak_bytes, reset_peak, snapshot
     from my_utils.models import add_lora, build_causal_lm, set_threads
     from my_utils.presets import get_preset
@@ -837,7 +838,7 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
     if method == "lora":
         model = add_lora(model, 8, targets=preset.lora_targets)
     model.train()
-    bf16 = native_bf16()
+    bf16 = os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16"  # set by ``bench_env``, as for every measured run
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if bf16 else nullcontext()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     vocab = model.config.vocab_size
