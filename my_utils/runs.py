@@ -130,6 +130,13 @@ def unique_dir(path: str | Path) -> Path:
     return candidate
 
 
+def invocation() -> list[str]:
+    """How this process was started: the script's name and its arguments. In a notebook's kernel (and the workers
+    ``notebook_launcher`` forks from it) only the kernel's name: its arguments name a temporary connection file."""
+    name = os.path.basename(sys.argv[0])
+    return [name] if name == "ipykernel_launcher.py" else [name, *sys.argv[1:]]
+
+
 class Run:
     """A results folder being written. Create it on rank 0 only."""
 
@@ -148,8 +155,7 @@ class Run:
         run = cls(path)
         info = {
             "status": "running",
-            "command": redact_secrets(command if command is not None
-                                      else [os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+            "command": redact_secrets(command if command is not None else invocation()),
             "config": redact_secrets(config),
             **git_state(),
             "versions": library_versions(),

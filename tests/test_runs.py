@@ -73,3 +73,10 @@ def test_lesson_dir_uses_course_run_root(tmp_path, monkeypatch):
     assert runs.lesson_dir("04_lora") == tmp_path / "04_lora"
     (tmp_path / "04_lora").mkdir()
     assert runs.lesson_dir("04_lora") == tmp_path / "04_lora_2"
+
+
+def test_the_command_is_recorded_without_a_kernels_connection_file(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["/opt/env/bin/lora.py", "--preset", "tiny"])
+    assert runs.Run.create(tmp_path / "a", config={}).info["command"] == ["lora.py", "--preset", "tiny"]
+    monkeypatch.setattr("sys.argv", ["/opt/env/ipykernel_launcher.py", "-f", "/tmp/tmpabc.json"])
+    assert runs.Run.create(tmp_path / "b", config={}).info["command"] == ["ipykernel_launcher.py"]
