@@ -16,7 +16,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from my_utils.bench import render_table  # noqa: E402
+from my_utils.bench import BENCHMARKS, render_table  # noqa: E402
 from my_utils.compare import overview  # noqa: E402
 from my_utils.runs import read_json  # noqa: E402
 
@@ -33,13 +33,15 @@ def machine(folder: Path) -> str:
     return ", ".join(f"{d['name']}" + (f" ({d['cores']} cores)" if d.get("cores") else "") for d in devices)
 
 
-def bench_summaries(folder: Path) -> list[dict]:
-    """The summaries of the complete benchmarks directly under ``folder`` (what ``python -m my_utils bench`` wrote)."""
+def bench_runs(folder: Path) -> list[dict]:
+    """The complete benchmarks directly under ``folder`` (what ``python -m my_utils bench`` wrote), in the order the
+    command runs them: each as {"run": run.json, "summary": summary.json}."""
     found = []
-    for summary in sorted(folder.glob("*/summary.json")):
-        if read_json(summary.parent / "run.json").get("status") == "complete" and "ratios" in read_json(summary):
-            found.append(read_json(summary))
-    return found
+    for summary in folder.glob("*/summary.json"):
+        run = read_json(summary.parent / "run.json")
+        if run.get("status") == "complete" and "ratios" in read_json(summary):
+            found.append({"run": run, "summary": read_json(summary)})
+    return sorted(found, key=lambda b: BENCHMARKS.index(b["summary"]["benchmark"]))
 
 
 def results_section() -> str:
@@ -48,11 +50,12 @@ def results_section() -> str:
              "`python -m my_utils compare runs/reference/<folder> runs/<yours>`.", ""]
     for folder in sorted(p for p in REFERENCE.iterdir() if p.is_dir() and not p.name.startswith(".")):
         parts += [f"### `runs/reference/{folder.name}` — {machine(folder)}", ""]
-        benchmarks = bench_summaries(folder)
+        benchmarks = bench_runs(folder)
         if benchmarks:
-            parts += ["Each ratio is of medians of runs taken side by side with its baseline "
-                      "(`python -m my_utils bench`); the CPU-time estimate is the same ratio from CPU seconds.", "",
-                      render_table([row for s in benchmarks for row in s["ratios"]], markdown=True), ""]
+            command = " ".join(benchmarks[0]["run"]["command"])
+            parts += [f"`{command}`: each ratio is of medians of runs taken side by side with its baseline; the "
+                      "CPU-time estimate is the same ratio from CPU seconds.", "",
+                      render_table([row for b in benchmarks for row in b["summary"]["ratios"]], markdown=True), ""]
         else:
             parts += [overview(folder, root=folder, markdown=True), ""]
     parts.append(END)
