@@ -6,7 +6,8 @@
 Kept: run.json, summary.json, metrics.jsonl, logs, tables, plots and executed notebooks (the files a comparison or a
 reader needs). Left out: checkpoints and weights (``*.safetensors``, ``*.bin``, ``*.pt``), which anyone can regenerate
 and which would bloat the repository. Absolute paths of the machine that ran the folder are made relative to the
-repository, so the committed records name only the project's own files. The destination must not exist.
+repository (and the Python installation, seen in warnings, becomes ``<python>``), so the committed records name only
+the project's own files. The destination must not exist.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ def save(source: Path, name: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         if path.suffix in TEXT:
             text = path.read_text(encoding="utf-8", errors="replace")
-            target.write_text(text.replace(f"{origin}/", "").replace(str(origin), "."), encoding="utf-8")
+            for machine_path, shown in ((f"{origin}/", ""), (str(origin), "."), (sys.base_prefix, "<python>")):
+                text = text.replace(machine_path, shown)
+            target.write_text(text, encoding="utf-8")
         else:
             shutil.copyfile(path, target)
     staging.rename(destination)  # all or nothing

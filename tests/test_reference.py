@@ -2,6 +2,7 @@
 paths of the machine that ran it) and how the README's results section is generated from them."""
 
 import importlib.util
+import sys
 
 import pytest
 
@@ -37,14 +38,17 @@ def test_saving_keeps_records_drops_weights_and_machine_paths(tmp_path, monkeypa
     (source / "04_lora" / "lora" / "adapter" / "adapter_model.safetensors").write_bytes(b"0" * 100)
     (source / "04_lora" / "lora" / "checkpoints" / "checkpoint-1").mkdir(parents=True)
     (source / "04_lora" / "lora" / "checkpoints" / "checkpoint-1" / "trainer_state.json").write_text("{}")
-    (source / "04_lora.ipynb").write_text(f'{{"note": "ran in {origin}/notebooks"}}')
+    (source / "04_lora.ipynb").write_text(f'{{"note": "ran in {origin}/notebooks", '
+                                          f'"warning": "{sys.base_prefix}/lib/copyreg.py:105: FutureWarning"}}')
 
     saved = save_reference.save(source, "cpu_x2")
     files = sorted(p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.is_file())
     assert files == ["04_lora.ipynb", "04_lora/lora/metrics.jsonl", "04_lora/lora/run.json",
                      "04_lora/lora/summary.json"]
     assert read_json(saved / "04_lora/lora/summary.json")["base_model"] == "assets/tiny/causal_lm"
-    assert str(origin) not in "".join(p.read_text() for p in saved.rglob("*") if p.is_file())
+    saved_text = "".join(p.read_text() for p in saved.rglob("*") if p.is_file())
+    assert str(origin) not in saved_text and sys.base_prefix not in saved_text
+    assert "<python>/lib/copyreg.py" in saved_text
     with pytest.raises(SystemExit, match="exists already"):
         save_reference.save(source, "cpu_x2")
 
