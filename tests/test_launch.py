@@ -145,3 +145,11 @@ def test_a_successful_run_ends_its_process_group_and_a_failed_one_keeps_it():
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_worker_exiting_without_teardown_still_delivers_its_output(subprocess_env):
+    import subprocess
+
+    code = "from my_utils.cli import exit_skipping_teardown\nprint('written', end='')\nexit_skipping_teardown()\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env)
+    assert proc.returncode == 0 and proc.stdout == "written"  # buffered output is flushed before the exit
