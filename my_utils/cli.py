@@ -34,9 +34,9 @@ def run_main(body, prefix: str = "my_utils"):
 def end_process_group() -> None:
     """Destroy this process's process group, if it has one, after a successful run.
 
-    Left to interpreter shutdown, gloo's worker threads can outlive the objects they use and the process then
-    aborts ("terminate called without an active exception") after its work is done. Not called after an error:
-    the other ranks may still be inside a collective.
+    torch asks every process to do this before it exits, so that pending communication finishes and the group's
+    resources are released in order. (Pipeline workers also need ``exit_skipping_teardown``.) Not called after an
+    error: the other ranks may still be inside a collective.
     """
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
