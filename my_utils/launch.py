@@ -15,6 +15,7 @@ Traps caught here, each with one sentence before anything starts:
 
 from __future__ import annotations
 
+import codecs
 import os
 import socket
 import subprocess
@@ -195,17 +196,23 @@ def clean_env(**extra) -> dict:
 
 
 def run_command(cmd: list[str], *, env: dict | None = None, echo: bool = True) -> subprocess.CompletedProcess:
-    """Run a launch command in a fresh process, streaming its output; raise if it fails."""
+    """Run a launch command in a fresh process, streaming its output; raise if it fails.
+
+    The output is passed through as it comes, carriage returns included, so a progress bar redraws in place
+    (in a terminal and in a notebook) instead of printing one line per update."""
     if echo:
         print("$", " ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd)), flush=True)
     proc = subprocess.Popen(cmd, env=env or clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        print(line, end="", flush=True)
+                            stderr=subprocess.STDOUT)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    chunks = []
+    while chunk := proc.stdout.read1(65536):
+        chunks.append(decoder.decode(chunk))
+        print(chunks[-1], end="", flush=True)
     proc.wait()
+    output = "".join(chunks) + decoder.decode(b"", final=True)
     if proc.returncode != 0:
-        tail = "".join(lines[-5:]).strip()
+        # the last lines as they finally read (a redrawn line shows its last state)
+        tail = "\n".join(line.rsplit("\r", 1)[-1] for line in output.rstrip().split("\n")[-5:]).strip()
         raise RuntimeError(f"Command failed with exit code {proc.returncode}: {tail}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(lines), "")
+    return subprocess.CompletedProcess(cmd, proc.returncode, output, "")

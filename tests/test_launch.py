@@ -153,3 +153,13 @@ def test_a_worker_exiting_without_teardown_still_delivers_its_output(subprocess_
     code = "from my_utils.cli import exit_skipping_teardown\nprint('written', end='')\nexit_skipping_teardown()\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env)
     assert proc.returncode == 0 and proc.stdout == "written"  # buffered output is flushed before the exit
+
+
+def test_run_command_passes_carriage_returns_through_and_names_the_failure(capsys):
+    """A progress bar redraws in place (its carriage returns reach the notebook), and a failure quotes the last
+    lines as they finally read, not every redraw."""
+    script = "import sys\nfor i in range(3):\n    print(f'\\rstep {i}', end='', flush=True)\nprint()\nsys.exit(int(sys.argv[1]))"
+    done = launch.run_command([sys.executable, "-c", script, "0"], echo=False)
+    assert done.stdout == "\rstep 0\rstep 1\rstep 2\n" and capsys.readouterr().out == done.stdout
+    with pytest.raises(RuntimeError, match=r"exit code 3: step 2$"):
+        launch.run_command([sys.executable, "-c", script, "3"], echo=False)
