@@ -26,8 +26,8 @@ from my_utils.memory import format_bytes, peak_bytes
 from my_utils.runs import find_run_dirs, load_run
 
 # Configuration keys that do not make two runs different experiments: the process count is what a speedup
-# varies, and the output folder is where the run was written.
-NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir"})
+# varies; the others say where and how a run is kept (its folder, resuming, checkpoints, a collective's timeout).
+NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir", "resume", "timeout_s", "save_steps"})
 # A summary with none of these is not a training run (e.g. the demo's own record of notebook timings).
 TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
 VERSIONS_MARK = "†"
