@@ -182,8 +182,8 @@ def make_callbacks(run=None, device="cpu"):
     MemoryCallback resets peak counters when training begins, snapshots memory (allocated, reserved, peak,
     process RSS) then, after the first optimizer step and at the end, on every rank; during the first step it
     also measures the activations saved for backward, the gradients and the optimizer states, from their
-    tensors. At the end each rank's figures, with
-    their ``memory_breakdown``, are gathered to rank 0 (``.report``: a list ordered by rank; None elsewhere).
+    tensors. At the end each rank's figures, with their ``memory_breakdown`` and the CPU seconds the process spent
+    training (``cpu_s``), are gathered to rank 0 (``.report``: a list ordered by rank; None elsewhere).
     MetricsWriter appends each log (loss, learning rate, grad norm...) to ``run``'s metrics.jsonl on rank 0.
     """
     from transformers import TrainerCallback
@@ -196,7 +196,7 @@ def make_callbacks(run=None, device="cpu"):
         def on_train_begin(self, args, state, control, **kwargs):
             reset_peak(device)
             self.begin = snapshot(device)
-            self.started = time.perf_counter()
+            self.cpu_started = time.process_time()
 
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             if self.saved is None:
@@ -222,6 +222,9 @@ def make_callbacks(run=None, device="cpu"):
             end = snapshot(device)
             mine = {
                 "rank": get_rank(),
+                # CPU seconds of this process (all its threads) while training: on a shared machine they tell the
+                # work done apart from time spent waiting for a core, so speedups estimated from them are steadier.
+                "cpu_s": time.process_time() - self.cpu_started,
                 "begin": self.begin,
                 "first_step": self.first_step,
                 "end": end,

@@ -140,8 +140,9 @@ def max_positions(config) -> int | None:
 
 
 def add_lora(model, rank: int = 8, alpha: float | None = None, targets=("c_attn",), dropout: float = 0.0,
-             task_type: str = "CAUSAL_LM", modules_to_save=None):
+             task_type: str = "CAUSAL_LM", modules_to_save=None, use_rslora: bool = False):
     """Wrap ``model`` with LoRA adapters (peft) on the modules named ``targets``; alpha defaults to 2 x rank.
+    The update is scaled by alpha / rank, or by alpha / sqrt(rank) with ``use_rslora`` (rank-stabilised LoRA).
 
     A quantized model is first prepared for k-bit training (frozen base, fp32 norms, input gradients).
     """
@@ -159,6 +160,7 @@ def add_lora(model, rank: int = 8, alpha: float | None = None, targets=("c_attn"
         bias="none",
         task_type=task_type,
         modules_to_save=modules_to_save,
+        use_rslora=use_rslora,
     )
     return get_peft_model(model, config)
 

@@ -51,6 +51,7 @@ class Config:
     method: str = "lora"  # "lora" (adapters; with --quantize, QLoRA) or "full" (every weight trains)
     rank: int = 8
     alpha: float | None = None  # default 2 x rank
+    rslora: bool = False  # scale the update by alpha / sqrt(rank) instead of alpha / rank (peft's use_rslora)
     dropout: float = 0.0
     targets: tuple[str, ...] | None = None  # default: the preset's LoRA targets
     quantize: str = "none"  # none | 8bit | 4bit
@@ -232,7 +233,8 @@ def train(cfg: Config) -> dict:
                                 device_map=per_rank_device_map() if cfg.quantize != "none" else None,
                                 trust_remote_code=cfg.trust_remote_code)
         if cfg.method == "lora":
-            model = add_lora(model, cfg.rank, cfg.alpha, cfg.targets or preset.lora_targets, cfg.dropout)
+            model = add_lora(model, cfg.rank, cfg.alpha, cfg.targets or preset.lora_targets, cfg.dropout,
+                             use_rslora=cfg.rslora)
         install_fake_oom(model)
         params = count_parameters(model)
         print0(f"trainable parameters: {params['trainable']:,} of {params['total']:,} "
@@ -281,6 +283,8 @@ def train(cfg: Config) -> dict:
         Trainer = course_trainer_class()  # transformers' Trainer; its evaluation sees every row
         trainer = Trainer(model=model, args=args, train_dataset=inputs["train_set"], eval_dataset=inputs["eval_set"],
                           data_collator=counter, callbacks=[c for c in callbacks if c])
+        # The base model's held-out loss (logged at step 0); a resumed run recorded it when it first started.
+        eval_loss_before = None if checkpoint else trainer.evaluate()["eval_loss"]
         started = time.perf_counter()
         try:
             result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
@@ -316,6 +320,9 @@ def train(cfg: Config) -> dict:
                 "preset": cfg.preset,
                 "method": cfg.method if cfg.quantize == "none" else f"qlora-{cfg.quantize}",
                 "rank": cfg.rank if cfg.method == "lora" else None,
+                "alpha": (cfg.alpha or 2 * cfg.rank) if cfg.method == "lora" else None,
+                "rslora": cfg.rslora if cfg.method == "lora" else None,
+                "targets": list(cfg.targets or preset.lora_targets) if cfg.method == "lora" else None,
                 "world_size": world_size,
                 "backend": _backend(),
                 "batch_size_per_process": settled_batch,
@@ -330,6 +337,7 @@ def train(cfg: Config) -> dict:
                 "resumed_from_step": start_step if checkpoint else None,
                 "train_loss_first": losses[0] if losses else None,
                 "train_loss_final": losses[-1] if losses else None,
+                "eval_loss_before": eval_loss_before,
                 "eval_loss": eval_metrics.get("eval_loss"),
                 "exact_match_before": (before or {}).get("exact_match"),
                 "exact_match_after": (after or {}).get("exact_match"),
@@ -340,6 +348,8 @@ def train(cfg: Config) -> dict:
                 # runtime and throughput of this process's training (after a resume: the resumed part)
                 "runtime_s": runtime,
                 "samples_per_s": (steps - start_step) * effective_batch / runtime,
+                # the same per CPU second of the busiest process: steadier than wall-clock on a shared machine
+                "samples_per_cpu_s": (steps - start_step) * effective_batch / max(r["cpu_s"] for r in memory_cb.report),
                 "tokens_per_s": tokens / runtime,
                 "trainable_params": params["trainable"],
                 "total_params": params["total"],
@@ -427,6 +437,8 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--method", default=defaults.method, choices=METHODS)
     p.add_argument("--rank", type=int, default=defaults.rank, help="LoRA rank r")
     p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    p.add_argument("--rslora", action="store_true",
+                   help="rank-stabilised LoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank")
     p.add_argument("--dropout", type=float, default=defaults.dropout, help="LoRA dropout")
     p.add_argument("--targets", nargs="+", default=None, help="module names to adapt (default: the preset's)")
     p.add_argument("--quantize", default=defaults.quantize, choices=("none", "8bit", "4bit"),
