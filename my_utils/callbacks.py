@@ -112,6 +112,9 @@ class SavedActivations:
             loss = model(**batch).loss
         loss.backward(); saved.bytes
 
+    Most tensors are seen as autograd saves them. A custom autograd Function may instead keep a tensor on its
+    context (bitsandbytes' 8-bit matmul keeps its input as ``ctx.A``): no hook sees that, so when ``model``'s
+    forward returns, the graph it built is walked once for such tensors.
     Inside a (non-reentrant) checkpointed region autograd keeps nothing (it recomputes instead), so nothing
     there is counted.
     """
@@ -119,33 +122,63 @@ class SavedActivations:
     def __init__(self, model):
         import torch
 
+        self.model = model
         self.parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.seen = set()
         self.bytes = 0
         self.backward_started = False
+        self.graph_walked = False
         self.active = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._forward_hook = None
+
+    def _count(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.seen and storage.data_ptr() not in self.parameter_storages:
+            self.seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
 
     def _pack(self, tensor):
         if not self.backward_started:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in self.seen and storage.data_ptr() not in self.parameter_storages:
-                self.seen.add(storage.data_ptr())
-                self.bytes += storage.nbytes()
+            self._count(tensor)
         return tensor
 
     def _unpack(self, tensor):
         self.backward_started = True
         return tensor
 
+    def _walk_graph(self, module, args, output):
+        """Count the tensors custom Functions of the graph behind ``output`` keep on their contexts."""
+        import torch
+
+        if self.backward_started or self.graph_walked:
+            return
+        self.graph_walked = True
+        values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) \
+            else (output,)
+        todo, visited = [v.grad_fn for v in values if torch.is_tensor(v) and v.grad_fn is not None], set()
+        while todo:
+            node = todo.pop()
+            if node is None or node in visited:
+                continue
+            visited.add(node)
+            if isinstance(node, torch.autograd.function.BackwardCFunction):  # the node is the Function's ctx
+                for value in vars(node).values():
+                    for t in value if isinstance(value, (tuple, list)) else (value,):
+                        if torch.is_tensor(t):
+                            self._count(t)
+            todo += [child for child, _ in node.next_functions]
+
     def start(self):
         self._hooks.__enter__()
+        self._forward_hook = self.model.register_forward_hook(self._walk_graph)
         self.active = True
         return self
 
     def stop(self):
         if self.active:
             self._hooks.__exit__(None, None, None)
+            self._forward_hook.remove()
             self.active = False
 
     __enter__ = start
