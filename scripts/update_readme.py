@@ -1,10 +1,14 @@
-"""Regenerate the README's results section from the committed reference runs (never typed by hand).
+"""Regenerate the README's series table and results section from the committed reference runs (never typed
+by hand).
 
     python scripts/update_readme.py                  # reads runs/reference/, rewrites README.md in place
 
-The section between ``<!-- results:start -->`` and ``<!-- results:end -->`` is replaced by the markdown tables
-of ``python -m my_utils compare runs/reference/<folder> --markdown`` for each reference folder, or, for a folder of
-benchmarks written by ``python -m my_utils bench``, their table of ratios.
+The series table (between ``<!-- series:start -->`` and ``<!-- series:end -->``) lists every notebook with what it
+teaches and the claims its closing cell checked, with their measured figures, read from the ``claims.json`` each
+lesson wrote in the reference demo run (``runs/reference/cpu_x2``). The section between ``<!-- results:start -->``
+and ``<!-- results:end -->`` is replaced by the markdown tables of ``python -m my_utils compare
+runs/reference/<folder> --markdown`` for each reference folder, or, for a folder of benchmarks written by
+``python -m my_utils bench``, their table of ratios.
 """
 
 from __future__ import annotations
@@ -18,10 +22,33 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from my_utils.bench import BENCHMARKS, render_table  # noqa: E402
 from my_utils.compare import overview  # noqa: E402
-from my_utils.runs import read_json  # noqa: E402
+from my_utils.runs import CLAIMS_FILE, read_json  # noqa: E402
 
 REFERENCE = REPO_ROOT / "runs" / "reference"
+DEMO_REFERENCE = REFERENCE / "cpu_x2"  # the reference `make demo` run
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+SERIES_START, SERIES_END = "<!-- series:start -->", "<!-- series:end -->"
+# What each notebook teaches; what it showed comes from the reference run.
+LESSONS = {
+    "00_setup": ("setup", "versions, devices, presets, what runs where on this machine"),
+    "01_data_parallel": ("data parallel", "`torch.nn.DataParallel`: scatter, replicate, gather, and why one process "
+                         "limits it"),
+    "02_ddp": ("DDP", "process groups, `DistributedSampler` + `set_epoch`, gradient all-reduce; raw torch and the "
+               "Trainer under `torchrun`"),
+    "03_accelerate": ("accelerate", "a plain loop turned into an accelerate loop one feature at a time "
+                      "(`# New Code #`)"),
+    "04_lora": ("LoRA", "adapters, trainable parameters, LoRA beside full fine-tuning, adapter size, merging"),
+    "05_lora_ddp": ("LoRA + DDP", "one function, two launchers; per-rank device map and memory; the learning-rate "
+                    "rule for a bigger batch, measured; speed and quality against one process"),
+    "06_qlora": ("QLoRA", "8-bit and 4-bit NF4 base weights, the memory breakdown against the arithmetic, quality "
+                 "with one fixed scorer"),
+    "07_rank_sweep": ("rank sweep", "what a bigger LoRA rank buys and costs, rank apart from scaling and learning "
+                      "rate; one fresh process per run"),
+    "08_model_pipeline_parallel": ("model and pipeline parallel", "a balanced layer split, its idle time, a GPipe "
+                                   "schedule with `torch.distributed.pipelining`, tensor parallel"),
+    "09_classification": ("classification", "full vs LoRA on one device, with DDP and as a pipeline"),
+    "10_compare": ("compare runs", "tables and plots from results folders, the memory planner beside measurement"),
+}
 
 
 def machine(folder: Path) -> str:
@@ -62,14 +89,33 @@ def results_section() -> str:
     return "\n".join(parts)
 
 
+def series_section() -> str:
+    """The series table: each notebook, what it teaches, and each claim it checked with the figure measured in
+    the reference demo run ("not recorded" where the reference run has no claims file for it)."""
+    rows = [SERIES_START, "| # | notebook | what it teaches | what the reference run showed (checked by its last cell) |",
+            "|---|---|---|---|"]
+    for stem, (title, teaches) in LESSONS.items():
+        claims_file = DEMO_REFERENCE / stem / CLAIMS_FILE
+        shown = "<br>".join(f"{c['claim']}: {c['figure']}" for c in read_json(claims_file)) \
+            if claims_file.is_file() else "not recorded"
+        rows.append(f"| {stem[:2]} | [{title}](notebooks/{stem}.ipynb) | {teaches} | {shown} |")
+    rows.append(SERIES_END)
+    return "\n".join(rows)
+
+
+def replace_section(text: str, start: str, end: str, section: str) -> str:
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"README.md has no {start} ... {end} section to replace.")
+    return pattern.sub(lambda _: section, text)
+
+
 def main() -> None:
     readme = REPO_ROOT / "README.md"
     text = readme.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"README.md has no {START} ... {END} section to replace.")
-    readme.write_text(pattern.sub(lambda _: results_section(), text), encoding="utf-8")
-    print("README.md results section regenerated from", REFERENCE.relative_to(REPO_ROOT))
+    text = replace_section(text, SERIES_START, SERIES_END, series_section())
+    readme.write_text(replace_section(text, START, END, results_section()), encoding="utf-8")
+    print("README.md series table and results section regenerated from", REFERENCE.relative_to(REPO_ROOT))
 
 
 if __name__ == "__main__":

@@ -69,3 +69,20 @@ def test_readme_section_has_comparison_and_benchmark_tables(tmp_path, monkeypatc
     assert "0.05 -> 0.50" in section  # the quality table of the comparison
     assert "| overhead | 0.990 |" in section and ">= 0.98 met" in section
     assert "| ddp |" not in section  # a failed benchmark never enters a table
+
+
+def test_readme_series_table_shows_each_lessons_checked_claims(tmp_path, monkeypatch):
+    from my_utils.runs import record_claims
+
+    update_readme = load_script("update_readme")
+    monkeypatch.setattr(update_readme, "DEMO_REFERENCE", tmp_path / "cpu_x2")
+    record_claims(tmp_path / "cpu_x2" / "04_lora", [("LoRA learns", "exact match 0.05 -> 0.69"), ("small", "1 KiB")])
+
+    table = update_readme.series_section().splitlines()
+    assert table[0] == update_readme.SERIES_START and table[-1] == update_readme.SERIES_END
+    rows = {row.split(" | ")[0].strip("| "): row for row in table[3:-1]}
+    assert list(rows) == [stem[:2] for stem in update_readme.LESSONS]  # every notebook, in order
+    assert rows["04"].endswith("| LoRA learns: exact match 0.05 -> 0.69<br>small: 1 KiB |")
+    assert rows["05"].endswith("| not recorded |")  # a lesson without a claims file says so, never a stale figure
+    notebooks = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert sorted(update_readme.LESSONS) == notebooks, "the table lists exactly the notebooks of the series"
