@@ -6,17 +6,22 @@
 
 The architecture comes from the preset's shipped ``config.json``, built on PyTorch's ``meta`` device (shapes,
 no memory) for exact parameter counts; the LoRA parameters are counted from the target modules' shapes. The
-peak is split into four parts, each computed from a stated rule:
+peak is split into parts, each computed from a stated rule, each comparable with what a run measures from its
+tensors (``compare_with_run``):
 
-- weights: every parameter at its stored size: fp32 4 bytes, bf16 2 bytes, NF4 (QLoRA, double quantization)
-  0.5 byte + 1/64 byte of block constants, int8 1 byte + an fp32 scale per output row. Quantization covers the
-  linear layers except the output embedding; the other weights stay in fp32 (peft's k-bit preparation).
-  LoRA adapters are kept in fp32; full fine-tuning in bf16 keeps fp32 master weights plus a bf16 copy (autocast).
-- gradients: 4 bytes per trainable parameter, twice over with several processes (DDP's gradient buckets).
+- weights: every parameter at its stored size: fp32 4 bytes (the workflows load the base model in fp32; bf16
+  is autocast, which computes in bf16 from fp32 weights), NF4 (QLoRA, double quantization) 0.5 byte + 1/64
+  byte of block constants, int8 1 byte + an fp32 scale per output row. Quantization covers the linear layers
+  except the output embedding; the other weights stay in fp32 (peft's k-bit preparation), as do the adapters.
+- gradients: 4 bytes per trainable parameter; with several processes DDP adds its gradient buckets, a flat
+  copy of the gradients to all-reduce, as a line of their own.
 - optimizer states: AdamW keeps two fp32 tensors per trainable parameter: 8 bytes per parameter.
-- activations: what autograd saves for the backward pass, layer by layer, from hidden size, intermediate size,
-  heads, layers, sequence and batch (see ``layer_activations``), plus the logits and the loss; with gradient
-  checkpointing only each layer's input is kept and one layer is recomputed at a time.
+- saved activations: what autograd keeps for the backward pass, layer by layer, from hidden size, intermediate
+  size, heads, layers, sequence and batch (see ``layer_activations``), plus the log-probabilities of the loss;
+  under bf16 autocast also the bf16 weight copies the matrix products keep. With gradient checkpointing only
+  each layer's input is kept.
+- backward transient: what backward adds while the saved activations are still held: the loss gradients over
+  the vocabulary (and with gradient checkpointing, the one layer being recomputed).
 
 The sum is the planned peak of tensor memory per process (= per device: data-parallel processes each hold a
 full replica). On a GPU the plan adds the CUDA context (``CUDA_CONTEXT``, outside torch's counters); on a CPU
@@ -32,6 +37,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 from my_utils import UserError
 from my_utils.memory import GiB, MiB, format_bytes
@@ -41,6 +47,9 @@ DTYPES = {"fp32": 4, "bf16": 2}
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + an 8-bit absmax per 64 weights + an fp32 per 256 blocks
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32
 TRAINABLE_BYTES = 4  # trainable parameters and their gradients are fp32 (LoRA adapters, full-FT master weights)
+# Autocast leaves the residual stream in fp32 (an fp32 tensor plus a bf16 one is fp32) and runs layer norms in fp32:
+# the norms' inputs and outputs stay 4 bytes whatever the compute dtype.
+RESIDUAL_BYTES = 4
 CUDA_CONTEXT = 600 * MiB  # CUDA context, cuBLAS workspace: on the device but outside torch's allocated bytes
 # Usable memory of common GPUs, as torch reports it (a few percent under the marketing figure).
 DEVICES = {
@@ -203,39 +212,57 @@ def _role_of(name: str) -> str:
     return "other"
 
 
-def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, kept: dict[str, float], *,
-                      input_bytes: int | None = None, device: str = "cuda", rank: int = 0) -> float:
-    """Bytes autograd keeps for one transformer layer until the backward pass.
+def _in_block(name: str) -> bool:
+    """Whether a module is inside one of the repeated transformer blocks ('...h.3.attn.c_attn')."""
+    return re.search(r"\.\d+\.", name) is not None
 
-    ``kept`` counts, per projection ('qkv', 'out', 'up', 'down') and per block, the layers whose input is saved
-    because their weight trains (full fine-tuning) or carries an adapter (LoRA); a frozen layer keeps nothing of
-    its input.
-    Those inputs are kept at ``input_bytes`` per element (peft casts a bf16 input to its fp32 adapters: one
-    copy per adapter; otherwise the layers reading one tensor share it). Two things depend on the ``device``:
-    a fused attention kernel keeps only its inputs, output and one number per head and query, but on a CPU
-    none takes attention dropout, so the plain path keeps three (batch x heads x seq x seq) matrices (weights,
-    dropout mask, dropped weights); and a CPU dropout keeps its mask as a full tensor of the activation dtype
-    where CUDA keeps one byte per element.
+
+def _per_block(arch: Architecture, names) -> dict[str, float]:
+    """How many of the linear layers ``names`` each block has, per part ('qkv', 'out', 'up', 'down', 'other')."""
+    counts = {}
+    for n in names:
+        counts[_role_of(n)] = counts.get(_role_of(n), 0) + 1 / arch.layers
+    return counts
+
+
+def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, kept: dict[str, float], *,
+                      held: dict[str, float] | None = None, device: str = "cuda", rank: int = 0) -> float:
+    """Bytes autograd keeps for one transformer layer until the backward pass, computing in ``act_bytes``
+    (2: bf16 autocast over fp32 weights, see ``RESIDUAL_BYTES``).
+
+    ``kept`` counts, per part ('qkv', 'out', 'up', 'down') and per block, the layers whose input is saved because
+    their weight trains (full fine-tuning) or carries an adapter (LoRA); a frozen layer keeps nothing of its
+    input. ``held`` counts the quantized layers that keep their input as they got it (bitsandbytes' 8-bit
+    matmul keeps it for the input's gradient). The 'qkv' and 'up' layers read a norm's fp32 output: under
+    autocast each of them keeps its own bf16 copy; otherwise, and for the other parts, the layers reading one
+    tensor share it.
+    Two things depend on the ``device``: a fused attention kernel keeps only its inputs, output and one number
+    per head and query, but on a CPU none takes attention dropout, so the plain path keeps three (batch x heads
+    x seq x seq) matrices (weights, dropout mask, dropped weights); and a CPU dropout keeps its mask as a full
+    tensor of the activation dtype where CUDA keeps one byte per element.
     """
-    input_bytes = input_bytes or act_bytes
+    held = held or {}
     tokens = batch * seq
     th, tf = tokens * arch.hidden, tokens * arch.intermediate
     saved, relu_like = ACTIVATIONS.get(arch.activation, (1, False))
     mask_bytes = act_bytes if device == "cpu" else 1
     fused = device != "cpu" or not arch.attention_dropout
-    shared = input_bytes == act_bytes
+    autocast = act_bytes < RESIDUAL_BYTES
 
     def inputs(part: str, size: int, already_kept: bool = False) -> float:
-        n = kept.get(part, 0)
-        copies = (min(n, 1) - already_kept if shared else n) if n else 0
-        return max(copies, 0) * size * input_bytes
+        n, n_held = kept.get(part, 0), held.get(part, 0)
+        if autocast and part in ("qkv", "up"):
+            return n * size * act_bytes + (size * RESIDUAL_BYTES if n_held else 0)
+        return size * act_bytes if (n or n_held) and not already_kept else 0
 
-    own = act_bytes * (
-        2 * th  # the inputs of the two layer norms
-        + (5 if fused and arch.fused_qkv else 3) * th  # queries, keys, values (the fused kernel copies two)
-        + th * fused  # the attention output, kept by a fused kernel (otherwise by its projection, if it trains)
-        + saved * tf  # the activation function's own tensors
-        + tokens * rank * sum(kept.values())  # LoRA keeps each adapter's A x input for B's gradient
+    own = (
+        2 * th * RESIDUAL_BYTES  # the inputs of the two layer norms
+        + act_bytes * (
+            3 * th  # queries, keys and values (the fused kernel keeps them, or views of the fused projection)
+            + th * fused  # the attention output, kept by a fused kernel (otherwise by its projection, if it trains)
+            + saved * tf  # the activation function's own tensors
+            + tokens * rank * sum(kept.values())  # LoRA keeps each adapter's A x input for B's gradient
+        )
     )
     projections = (inputs("qkv", th) + inputs("out", th, already_kept=fused) + inputs("up", th)
                    + inputs("down", tf, already_kept=relu_like))
@@ -260,25 +287,38 @@ class Plan:
     total_params: int
     trainable_params: int
     weights: float
-    gradients: float
+    gradients: float  # the .grad tensors
     optimizer: float
-    activations: float
+    saved_activations: float  # what autograd keeps from the forward pass for backward
+    backward_extra: float  # what backward adds while the saved activations are still held
+    ddp_buckets: float = 0.0  # DDP's flat copy of the gradients, with several processes
     overhead: float = 0.0  # CUDA context, or the CPU process's baseline
     overhead_what: str = ""
 
     @property
+    def activations(self) -> float:
+        """Activation memory at the peak: the saved activations and backward's transient."""
+        return self.saved_activations + self.backward_extra
+
+    @property
     def peak(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.overhead
+        return self.weights + self.gradients + self.ddp_buckets + self.optimizer + self.activations + self.overhead
 
     def parts(self) -> list[tuple[str, float, str]]:
         """(part, bytes, how it was computed) for each row of the plan."""
         rows = [
             ("weights", self.weights, f"{self.total_params:,} parameters"),
-            ("gradients", self.gradients, f"{self.trainable_params:,} trainable x 4 B"
-             + (" x 2 (DDP buckets)" if self.processes > 1 else "")),
+            ("gradients", self.gradients, f"{self.trainable_params:,} trainable x 4 B"),
+        ]
+        if self.ddp_buckets:
+            rows.append(("DDP gradient buckets", self.ddp_buckets, "a flat copy of the gradients, to all-reduce"))
+        rows += [
             ("optimizer states", self.optimizer, f"AdamW: {self.trainable_params:,} x 2 x 4 B"),
-            ("activations", self.activations, f"batch {self.batch} x seq {self.seq}"
+            ("saved activations", self.saved_activations, f"batch {self.batch} x seq {self.seq}"
+             + (", bf16 autocast (with weight copies)" if self.dtype == "bf16" else "")
              + (", checkpointed" if self.gradient_checkpointing else "")),
+            ("backward transient", self.backward_extra, "loss gradients over the vocabulary"
+             + (", one recomputed layer" if self.gradient_checkpointing else "") if self.backward_extra else ""),
         ]
         if self.overhead:
             rows.append(("runtime", self.overhead, self.overhead_what))
@@ -321,55 +361,64 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
              device: str = "cuda") -> Plan:
     """The plan for an architecture (``plan`` fills in a preset's defaults and checks the arguments)."""
     dtype_bytes = DTYPES[dtype]
+    in_blocks = [n for n in arch.linears if _in_block(n)]
     if method == "full":
-        adapted, lora = [], 0
+        lora = 0
         trainable = arch.total_params
-        kept = {"qkv": 1, "out": 1, "up": 1, "down": 1}
+        kept = _per_block(arch, in_blocks)
     else:
-        adapted = lora_modules(arch, targets)
         lora = lora_parameters(arch, rank, targets)
         trainable = lora + arch.head_params
-        kept = {}
-        for n in adapted:
-            kept[_role_of(n)] = kept.get(_role_of(n), 0) + 1 / arch.layers
+        kept = _per_block(arch, lora_modules(arch, targets))
+    held = _per_block(arch, [n for n in in_blocks if n in arch.quantizable]) if quantize == "8bit" else {}
+    total = arch.total_params + (trainable if method != "full" else 0)  # + adapters, head copy
+    autocast = dtype_bytes < RESIDUAL_BYTES
 
     # weights
-    if method == "full":
-        weights = arch.total_params * (TRAINABLE_BYTES + (2 if dtype == "bf16" else 0))  # + autocast's bf16 copy
-    elif quantize == "none":
-        weights = arch.total_params * dtype_bytes + trainable * TRAINABLE_BYTES
+    if quantize == "none":
+        weights = total * 4  # the base model and the adapters in fp32
     else:
         quantized = sum(arch.linears[n][0] * arch.linears[n][1] for n in arch.quantizable)
         rows = sum(arch.linears[n][1] for n in arch.quantizable)
         stored = quantized * NF4_BYTES if quantize == "4bit" else quantized + 4 * rows
         weights = stored + (arch.total_params - quantized) * 4 + trainable * TRAINABLE_BYTES
-    gradients = trainable * TRAINABLE_BYTES * (2 if processes > 1 else 1)
+    gradients = trainable * TRAINABLE_BYTES
     optimizer = trainable * ADAMW_STATE_BYTES
 
-    # activations: the layers, then the embeddings and the head
+    # Autocast multiplies bf16 copies of the weights, and a product whose input needs a gradient keeps its copy
+    # for backward (bitsandbytes dequantizes inside its own function and keeps nothing).
+    copies = {True: 0, False: 0}  # elements, in the blocks and outside them
+    if autocast:
+        for n, (d_in, d_out, _) in arch.linears.items():
+            if n not in arch.quantizable or quantize == "none":
+                copies[_in_block(n)] += d_in * d_out
+        copies[True] += lora
+
+    # saved activations: the layers, then the embeddings and the head
     tokens = batch * seq
-    one_layer = layer_activations(arch, batch, seq, dtype_bytes, kept, device=device,
-                                  input_bytes=TRAINABLE_BYTES if method != "full" else dtype_bytes,
-                                  rank=rank if method != "full" else 0)
+    one_layer = layer_activations(arch, batch, seq, dtype_bytes, kept, held=held, device=device,
+                                  rank=rank if method != "full" else 0) + copies[True] * dtype_bytes / arch.layers
     if gradient_checkpointing:
-        layers = arch.layers * tokens * arch.hidden * dtype_bytes + one_layer  # inputs kept, one layer recomputed
+        layers = arch.layers * tokens * arch.hidden * RESIDUAL_BYTES  # each layer's input; backward recomputes
     else:
         layers = arch.layers * one_layer
-    # the inputs of the norms outside the blocks, and the embedding dropout's mask
-    mask_bytes = dtype_bytes if device == "cpu" else 1
-    edges = tokens * arch.hidden * (arch.extra_norms * dtype_bytes + arch.embedding_dropout * mask_bytes)
+    # the inputs of the norms outside the blocks, the embedding dropout's mask, the weight copies outside
+    mask_bytes = RESIDUAL_BYTES if device == "cpu" else 1
+    edges = (tokens * arch.hidden * (arch.extra_norms * RESIDUAL_BYTES + arch.embedding_dropout * mask_bytes)
+             + copies[False] * dtype_bytes)
+    backward_extra = one_layer if gradient_checkpointing else 0
     if arch.role == "causal":
-        # The loss keeps fp32 log-probabilities; backward starts by adding their gradient and the logits'
-        # gradient (fp32, then cast to bf16) while every other activation is still held.
-        edges += tokens * arch.vocab * (3 * 4 + (dtype_bytes if dtype_bytes != 4 else 0))
+        edges += tokens * arch.vocab * 4  # the loss keeps fp32 log-probabilities
+        # Backward starts by making their gradient and the logits' gradient (fp32, then cast to the compute
+        # dtype) while every saved activation is still held.
+        backward_extra += tokens * arch.vocab * (2 * 4 + (dtype_bytes if autocast else 0))
         if method == "full":
             edges += tokens * arch.hidden * dtype_bytes  # the input of the (trainable) output layer
     return Plan(preset=arch.name, method=method if method != "qlora" else f"qlora-{quantize}", dtype=dtype,
                 rank=rank if method != "full" else None, batch=batch, seq=seq, processes=processes,
-                gradient_checkpointing=gradient_checkpointing,
-                total_params=arch.total_params + (trainable if method != "full" else 0),  # + adapters, head copy
-                trainable_params=trainable, weights=weights, gradients=gradients, optimizer=optimizer,
-                activations=layers + edges)
+                gradient_checkpointing=gradient_checkpointing, total_params=total, trainable_params=trainable,
+                weights=weights, gradients=gradients, optimizer=optimizer, saved_activations=layers + edges,
+                backward_extra=backward_extra, ddp_buckets=gradients if processes > 1 else 0)
 
 
 def _method(method: str, quantize: str | None) -> tuple[str, str]:
@@ -435,6 +484,50 @@ def with_runtime(p: Plan, device: str = "cuda", baseline: int | None = None) -> 
     return p
 
 
+# ---------------------------------------------------------------------------------------------- a run against its plan
+
+
+class Row(NamedTuple):
+    component: str
+    measured: float  # bytes, from the run's tensors
+    predicted: float  # bytes, from the plan
+    ratio: float  # predicted / measured
+
+
+# (component, key in a run's memory breakdown, attribute of a Plan)
+COMPARED = (("weights", "weights", "weights"), ("gradients", "gradients", "gradients"),
+            ("optimizer states", "optimizer_states", "optimizer"),
+            ("saved activations", "saved_activations", "saved_activations"))
+
+
+def plan_for_run(summary: dict, rank: int = 0) -> Plan:
+    """The plan for what a run of the LoRA workflow did on process ``rank``: its preset, method, quantization,
+    LoRA rank and targets, mixed precision, processes, device, and the shape of the first batch it trained on
+    (the batch its memory callback measured the saved activations of)."""
+    if summary.get("workflow") != "lora" or not summary.get("first_batches"):
+        raise UserError("Only a LoRA-workflow summary (my_utils.workflows.lora) records what the plan needs; "
+                        "pass the summary.json of such a run.")
+    quantization = summary["quantization"]
+    first = summary["first_batches"][rank]
+    method = "full" if summary["method"] == "full" else "lora" if quantization is None else "qlora"
+    return plan(summary["preset"], method, rank=summary["rank"] or 8,  # the rank is unused by full fine-tuning
+                quantize=None if quantization is None else f"{quantization['bits']}bit",
+                targets=summary.get("targets"), batch=first["batch_size"], seq=first["seq_len"],
+                processes=summary["world_size"], gradient_checkpointing=summary.get("gradient_checkpointing", False),
+                dtype="fp32" if summary["mixed_precision"] == "no" else "bf16",  # fp16 autocast: 2 bytes as bf16
+                device="cuda" if summary["memory"][rank]["end"]["device"].startswith("cuda") else "cpu")
+
+
+def compare_with_run(summary: dict, rank: int = 0) -> list[Row]:
+    """Each part a run measured from its tensors on process ``rank`` (weights, gradients, optimizer states,
+    saved activations) beside the plan for that run (``plan_for_run``). The process baseline and the DDP
+    buckets are not tensors the run counts, so they are not compared."""
+    p = plan_for_run(summary, rank)
+    measured = summary["memory"][rank]["breakdown"]
+    return [Row(name, measured[key], getattr(p, attr), getattr(p, attr) / measured[key])
+            for name, key, attr in COMPARED]
+
+
 # ---------------------------------------------------------------------------------------------- command line
 
 
@@ -488,7 +581,8 @@ def main(argv=None) -> Plan:
     ap.add_argument("--batch", type=int, help="batch per process (default: the preset's)")
     ap.add_argument("--seq", type=int, help="tokens per example after padding (default: the preset's max_length)")
     ap.add_argument("--processes", type=int, default=1, help="data-parallel processes, one per device")
-    ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="compute dtype")
+    ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
+                    help="compute dtype (bf16: mixed precision, autocast over fp32 weights)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
     ap.add_argument("--device", help=f"the device to fit: {', '.join(DEVICES)}, or cpu (this machine's memory "
                     "shared by the processes; adds the measured process baseline)")
@@ -511,7 +605,7 @@ def main(argv=None) -> Plan:
     quantize = p.method.split("-", 1)[1] if p.method.startswith("qlora") else "none"
     with_runtime(p, "cpu" if on_cpu else "cuda", measure_baseline_rss(quantize) if on_cpu else None)
     if args.json:
-        print(json.dumps({**asdict(p), "peak": p.peak, "limit": limit,
+        print(json.dumps({**asdict(p), "activations": p.activations, "peak": p.peak, "limit": limit,
                           "fits": None if limit is None else p.peak <= limit}, indent=2))
     else:
         print(render(p, limit, limit_name))

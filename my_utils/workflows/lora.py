@@ -333,6 +333,7 @@ def train(cfg: Config) -> dict:
                 "learning_rate": learning_rate,
                 "lr_scaling": cfg.lr_scaling,
                 "mixed_precision": cfg.mixed_precision,
+                "gradient_checkpointing": cfg.gradient_checkpointing,
                 "steps": steps,
                 "resumed_from_step": start_step if checkpoint else None,
                 "train_loss_first": losses[0] if losses else None,
