@@ -212,7 +212,9 @@ class Run:
 SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "credential", "credentials", "apikey"})
 SECRET_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key")})
 # Values that are secrets whatever their name: Hugging Face, OpenAI-style, GitHub and AWS access keys.
-SECRET_VALUE = re.compile(r"hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}|AKIA[0-9A-Z]{16}")
+# Token-shaped values, matched as whole tokens only: "sk-..." inside "task-..." or "disk-..." is a file name.
+SECRET_VALUE = re.compile(r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
+                          r"|AKIA[0-9A-Z]{16})(?![A-Za-z0-9])")
 REDACTED = "<redacted>"
 
 

@@ -320,3 +320,13 @@ def test_every_torch_load_is_restricted_to_tensors():
     for path in [*REPO_ROOT.glob("my_utils/**/*.py"), *REPO_ROOT.glob("scripts/*.py"), *REPO_ROOT.glob("tests/*.py")]:
         if path.name != Path(__file__).name:
             assert unsafe_torch_loads(path.read_text(encoding="utf-8")) == [], path
+
+
+def test_the_secret_redactor_leaves_ordinary_words_and_file_names_alone():
+    from my_utils.runs import redact_secrets
+
+    names = ["runs/task-classification-eval-rows-1234567/rows.jsonl", "/mnt/disk-0123456789abcdefghij/data.jsonl",
+             "ask-the-model-what-it-learned-today.txt", "flask-app-configuration-production"]
+    assert redact_secrets(names) == names
+    token = "sk-" + "Ab1_" * 6
+    assert redact_secrets([f"/keys/{token}/x", f"key={token}"]) == [f"/keys/{REDACTED}/x", f"key={REDACTED}"]
