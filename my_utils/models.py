@@ -118,16 +118,25 @@ def check_lora_args(rank, alpha=None) -> None:
         raise UserError(f"LoRA alpha must be a positive number, got {alpha!r}; a common choice is twice the rank.")
 
 
+# Module classes peft's LoRA can adapt (by class name: bitsandbytes and transformers need not be imported here).
+LORA_ADAPTABLE = {"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "Linear8bitLt", "Linear4bit"}
+
+
 def check_lora_targets(model, targets) -> None:
-    """Refuse LoRA target names that match no module of ``model`` (a real model or a ``meta_model``)."""
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        linear_like = sorted(n for n in names if n and not n.isdigit())[:12]
-        raise UserError(
-            f"LoRA target module {missing[0]!r} matches nothing in {type(model).__name__}; "
-            f"pick from its module names, e.g. {', '.join(linear_like)}."
-        )
+    """Refuse LoRA target names that match no module of ``model`` (a real model or a ``meta_model``), or that
+    match a module peft cannot adapt (a layer norm, an activation, a whole block)."""
+    modules = {}
+    for name, module in model.named_modules():
+        modules.setdefault(name.rsplit(".", 1)[-1], set()).add(type(module).__name__)
+    adaptable = sorted(n for n, kinds in modules.items() if n and not n.isdigit() and kinds <= LORA_ADAPTABLE)
+    for target in targets:
+        if target not in modules:
+            raise UserError(f"LoRA target module {target!r} matches nothing in {type(model).__name__}; "
+                            f"pick from its adaptable layers: {', '.join(adaptable[:12])}.")
+        other = sorted(modules[target] - LORA_ADAPTABLE)
+        if other:
+            raise UserError(f"LoRA target module {target!r} is a {other[0]}, which LoRA cannot adapt; "
+                            f"pick from the adaptable layers of {type(model).__name__}: {', '.join(adaptable[:12])}.")
 
 
 def max_positions(config) -> int | None:
