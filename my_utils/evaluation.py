@@ -1,5 +1,5 @@
-"""Quality measures: exact match and a similarity score by greedy generation, eval loss and perplexity,
-classification accuracy.
+"""Quality measures: exact match and a similarity score by greedy generation, held-out loss, classification
+accuracy.
 
 Exact match is the tiny tasks' measure: the model's greedy answer to ``format_prompt(row)``, cut at the end
 of sequence and stripped, must equal ``row["output"]``. The similarity score gives partial credit: a
@@ -14,7 +14,6 @@ answers with that model itself (or with a scorer that changes between runs) woul
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 
 from my_utils.data import format_prompt
@@ -99,21 +98,28 @@ def answer_quality(model, tokenizer, rows, **kwargs) -> dict:
     return score_answers(generate_answers(model, tokenizer, rows, **kwargs), rows)
 
 
-def eval_loss(model, batches) -> dict:
-    """Mean token-level loss (and its perplexity) over batches that carry ``labels``."""
+def held_out_loss(model, examples, collator, batch_size: int, autocast_dtype=None) -> float:
+    """The loss on held-out ``examples`` as ``transformers.Trainer.evaluate()`` reports it: each batch's mean token
+    loss, weighted by the batch's number of examples, in order, under autocast to ``autocast_dtype`` if given.
+
+    It runs in this process alone (no collective), so it can measure a model before training. (Calling
+    ``Trainer.evaluate()`` before ``Trainer.train()`` in a distributed run leaves the model marked as prepared by
+    accelerate, which then trains it without DistributedDataParallel: every process on its own.)"""
     import torch
 
-    model.eval()
-    total = tokens = 0.0
     device = next(model.parameters()).device
-    with torch.no_grad():
-        for batch in batches:
+    was_training = model.training
+    model.eval()
+    total = seen = 0.0
+    with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        for start in range(0, len(examples), batch_size):
+            batch = collator([examples[i] for i in range(start, min(start + batch_size, len(examples)))])
             batch = {k: v.to(device) for k, v in batch.items()}
-            n = int((batch["labels"][:, 1:] != -100).sum())
-            total += float(model(**batch).loss) * n
-            tokens += n
-    loss = total / max(tokens, 1)
-    return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50))}
+            rows = len(batch["input_ids"])
+            total += float(model(**batch).loss) * rows
+            seen += rows
+    model.train(was_training)
+    return total / seen
 
 
 def accuracy(model, batches) -> float:

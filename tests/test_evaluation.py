@@ -36,3 +36,24 @@ def test_score_answers_exact_match_and_similarity():
     assert scores["examples"][1]["got"] == "cbx"
     with pytest.raises(ValueError):
         score_answers([], [])
+
+
+def test_held_out_loss_is_what_the_trainer_reports(tmp_path):
+    """The loss the workflow takes before training (without Trainer.evaluate, which would keep DDP from
+    wrapping the model) is the figure evaluate() reports after training: batch by batch, uneven last batch too."""
+    from transformers import Trainer, TrainingArguments
+
+    from my_utils.data import load_instructions, padding_collator, tokenize_instructions
+    from my_utils.evaluation import held_out_loss
+    from my_utils.models import build_causal_lm, load_tokenizer
+    from my_utils.presets import get_preset
+
+    preset = get_preset("tiny")
+    tokenizer, model = load_tokenizer(preset), build_causal_lm(preset)
+    _, rows = load_instructions("tiny", eval_rows=20)
+    examples = tokenize_instructions(rows, tokenizer, 128)
+    ours = held_out_loss(model, examples, padding_collator(tokenizer), batch_size=8)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=8, report_to="none", use_cpu=True)
+    theirs = Trainer(model=model, args=args, eval_dataset=examples,
+                     data_collator=padding_collator(tokenizer)).evaluate()["eval_loss"]
+    assert ours == pytest.approx(theirs, rel=1e-5)

@@ -9,6 +9,7 @@ import pytest
 
 from my_utils import UserError
 from my_utils.launch import REPO_ROOT, accelerate_command
+from my_utils.runs import load_run
 from my_utils.workflows import lora
 
 
@@ -104,3 +105,24 @@ def test_auto_mixed_precision_is_bf16_only_where_native(monkeypatch, cuda, cpu_f
     cfg = Config(quantize=quantize, mixed_precision="no")
     validate(cfg)
     assert cfg.mixed_precision == "no"  # an explicit choice is kept
+
+
+@pytest.mark.slow
+def test_two_processes_of_8_train_like_one_process_of_16(tmp_path, subprocess_env):
+    """DDP really averages the adapters' gradients: the same global batches give the same losses, step by step,
+    as one process (a run whose ranks trained apart would drift from the second step on)."""
+    common = ["--preset", "tiny", "--max-steps", "6", "--logging-steps", "1", "--eval-rows", "16",
+              "--skip-generation-eval", "--mixed-precision", "no"]
+    one, two = tmp_path / "x1", tmp_path / "x2"
+    subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", *common, "--batch-size", "16",
+                    "--output-dir", str(one)], env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True)
+    cmd = accelerate_command("my_utils.workflows.lora", [*common, "--batch-size", "8", "--output-dir", two],
+                             num_processes=2, config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
+    subprocess.run(cmd, env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True)
+
+    def losses(folder):
+        return [m["loss"] for m in load_run(folder)["metrics"] if "loss" in m]
+
+    assert load_run(two)["summary"]["world_size"] == 2 and len(losses(one)) == 6
+    assert losses(two) == pytest.approx(losses(one), rel=1e-4)
+    assert load_run(two)["summary"]["eval_loss"] == pytest.approx(load_run(one)["summary"]["eval_loss"], rel=1e-4)

@@ -198,13 +198,14 @@ def train(cfg: Config) -> dict:
     check_process_count(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))  # processes on this machine
     inputs = load_inputs(cfg, preset, world_size)  # bad files fail here, before the Trainer is even imported
 
+    import torch
     from accelerate.utils import broadcast_object_list
     from transformers import TrainingArguments, set_seed
 
     from my_utils.callbacks import TokenCounter, gather_to_rank0, make_callbacks
     from my_utils.data import padding_collator
     from my_utils.devices import device_inventory, per_rank_device, per_rank_device_map
-    from my_utils.evaluation import SIMILARITY_SCORER
+    from my_utils.evaluation import SIMILARITY_SCORER, held_out_loss
     from my_utils.launch import is_cpu_only
     from my_utils.memory import peak_bytes
     from my_utils.models import add_lora, build_causal_lm, count_parameters, folder_size, set_threads
@@ -283,8 +284,10 @@ def train(cfg: Config) -> dict:
         Trainer = course_trainer_class()  # transformers' Trainer; its evaluation sees every row
         trainer = Trainer(model=model, args=args, train_dataset=inputs["train_set"], eval_dataset=inputs["eval_set"],
                           data_collator=counter, callbacks=[c for c in callbacks if c])
-        # The base model's held-out loss (logged at step 0); a resumed run recorded it when it first started.
-        eval_loss_before = None if checkpoint else trainer.evaluate()["eval_loss"]
+        # The base model's held-out loss, as evaluate() reports it; a resumed run recorded it when it first started.
+        eval_loss_before = None if checkpoint else held_out_loss(
+            model, inputs["eval_set"], padding_collator(tokenizer), batch_size,
+            {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision))
         started = time.perf_counter()
         try:
             result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
