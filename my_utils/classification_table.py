@@ -31,14 +31,15 @@ def classification_runs(*paths) -> list[dict]:
 
 
 def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
-    header = ["method", "parallel", "processes", "best eval acc", "peak memory per process",
+    header = ["method", "parallel", "processes", "eval acc before -> after", "peak memory per process",
               "weights+grads+optimizer per process", "train time", "samples/s", "trainable params", "folder"]
 
     def per_process(values):
         return " / ".join(format_bytes(v) for v in values) if values else "-"
 
-    rows = [[r["method"], r["parallel"], str(r["world_size"]), f"{r['best_eval_accuracy']:.3f}",
-             per_process(r["peak_memory_per_rank"]), per_process(r.get("model_state_per_rank")),
+    rows = [[r["method"], r["parallel"], str(r["world_size"]),
+             f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}", per_process(r["peak_memory_per_rank"]),
+             per_process(r.get("model_state_per_rank")),
              f"{r['runtime_s']:.1f} s", f"{r['samples_per_s']:.0f}", f"{r['trainable_params']:,}",
              Path(r["path"]).name] for r in runs]
     return header, rows
@@ -56,7 +57,7 @@ def classification_table(*paths, markdown: bool = False) -> str:
 
 
 def plot_classification(runs: list[dict], path) -> Path:
-    """Eval accuracy against steps for every run (left), and what each process holds of the model: weights,
+    """Eval accuracy against steps for every run, and chance (left), and what each process holds of the model: weights,
     gradients and optimizer states (right; the peak memory adds the runtime and the activations to it)."""
     from my_utils.memory import MiB
     from my_utils.plots import new_figure, save
@@ -67,6 +68,7 @@ def plot_classification(runs: list[dict], path) -> Path:
     for r, name in zip(runs, names):
         steps, scores = zip(*r["eval_curve"])
         curves.plot(steps, scores, marker="o", label=name, linestyle="--" if r["method"] == "lora" else "-")
+    curves.axhline(1 / runs[0]["num_labels"], color="grey", linestyle=":", label="chance")
     curves.set(xlabel="optimizer step", ylabel="eval accuracy", title="accuracy while training")
     curves.grid(alpha=0.3)
     curves.legend(fontsize="small")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 from transformers import AutoTokenizer
 
 from my_utils.data import CLASSIFICATION_COLUMNS, INSTRUCTION_COLUMNS, format_example, format_prompt, read_jsonl
@@ -111,14 +111,29 @@ def test_causal_lm_loads_and_generates():
     assert log["parameters"] == sum(p.numel() for p in model.parameters())
 
 
-def test_encoder_loads_for_masked_lm_and_classification():
+def test_encoder_loads_as_a_classifier_with_only_the_new_head_missing():
     tokenizer = AutoTokenizer.from_pretrained(TINY / "encoder")
     labels = json.loads((DATA / "classification_labels.json").read_text())
-    assert AutoModelForMaskedLM.from_pretrained(TINY / "encoder").config.model_type == "roberta"
-    model = AutoModelForSequenceClassification.from_pretrained(TINY / "encoder", num_labels=len(labels))
+    model, info = AutoModelForSequenceClassification.from_pretrained(TINY / "encoder", num_labels=len(labels),
+                                                                     output_loading_info=True)
+    assert model.config.model_type == "roberta"
+    assert not info["unexpected_keys"], "the shipped encoder carries no pretraining head"
+    assert info["missing_keys"] and all(key.startswith("classifier.") for key in info["missing_keys"])
     logits = model(**tokenizer(["The storm came at night."], return_tensors="pt")).logits
     assert logits.shape == (1, len(labels))
-    assert json.loads((TINY / "encoder" / "pretrain_log.json").read_text())["final_loss"] > 0
+    log = json.loads((TINY / "encoder" / "pretrain_log.json").read_text())
+    assert log["final_loss"] > 0 and log["parameters"] == sum(p.numel() for p in model.roberta.parameters())
+
+
+def test_bag_of_words_loss_targets_the_texts_own_words_by_weight():
+    bag_of_words_loss = _load_script("pretrain_tiny").bag_of_words_loss
+    ids = torch.tensor([[0, 5, 6, 5, 1]])  # <s> 5 6 5 </s>: word 5 twice
+    weights = torch.tensor([[0.0, 1.0, 2.0, 1.0, 0.0]])  # <s> and </s> weigh nothing
+    target = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.0]])  # 5: 1 + 1, 6: 2
+    perfect = target.clamp(min=1e-9).log()
+    entropy = -(target * perfect).sum()
+    assert bag_of_words_loss(perfect, ids, weights) == pytest.approx(float(entropy), abs=1e-6)
+    assert bag_of_words_loss(torch.zeros(1, 8), ids, weights) > bag_of_words_loss(perfect, ids, weights)
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ def test_bad_config_is_refused(change, message):
 def _fake_run(path, status="complete", **summary):
     run = Run.create(path, config={})
     base = {"workflow": "classification", "method": "lora", "parallel": "none", "world_size": 1,
-            "best_eval_accuracy": 0.5, "peak_memory_per_rank": [100 * 2**20], "runtime_s": 1.0,
+            "accuracy_before": 0.25, "accuracy_after": 0.5, "peak_memory_per_rank": [100 * 2**20], "runtime_s": 1.0,
             "samples_per_s": 10.0, "trainable_params": 1000}
     if status == "complete":
         run.finish({**base, **summary})
@@ -43,7 +43,7 @@ def _fake_run(path, status="complete", **summary):
 
 def test_table_is_built_from_complete_classification_folders_only(tmp_path):
     _fake_run(tmp_path / "b", parallel="pipeline", world_size=2, peak_memory_per_rank=[2**20, 3 * 2**20])
-    _fake_run(tmp_path / "a", method="full", parallel="ddp", world_size=2, best_eval_accuracy=0.75,
+    _fake_run(tmp_path / "a", method="full", parallel="ddp", world_size=2, accuracy_after=0.75,
               peak_memory_per_rank=[2**30, 2**30])
     _fake_run(tmp_path / "c")
     _fake_run(tmp_path / "failed", status="failed")
@@ -51,7 +51,7 @@ def test_table_is_built_from_complete_classification_folders_only(tmp_path):
     runs = classification_runs(tmp_path)
     assert [(r["method"], r["parallel"]) for r in runs] == [("full", "ddp"), ("lora", "none"), ("lora", "pipeline")]
     table = classification_table(tmp_path)
-    assert "0.750" in table and "1.0 GiB / 1.0 GiB" in table and "1.0 MiB / 3.0 MiB" in table
+    assert "0.250 -> 0.750" in table and "1.0 GiB / 1.0 GiB" in table and "1.0 MiB / 3.0 MiB" in table
     assert "failed" not in table and "other" not in table
     with pytest.raises(UserError, match="No complete classification run"):
         classification_table(tmp_path / "failed")
@@ -80,6 +80,7 @@ def test_one_device_ddp_and_pipeline_do_the_same_arithmetic(tmp_path, subprocess
     one, ddp, pipe = summaries["none"], summaries["ddp"], summaries["pipeline"]
     assert one["world_sizes_seen"] == [1] and ddp["world_sizes_seen"] == [2, 2] and pipe["world_sizes_seen"] == [2, 2]
     assert len(ddp["peak_memory_per_rank"]) == 2
+    assert one["num_labels"] == 4  # the tiny set's classes: chance is a quarter
     for other in (ddp, pipe):  # same batches, same initial weights, no dropout: the same numbers
         assert other["train_loss_first"] == pytest.approx(one["train_loss_first"], abs=1e-4)
         assert other["train_loss_final"] == pytest.approx(one["train_loss_final"], abs=1e-3)
