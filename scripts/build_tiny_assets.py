@@ -1,4 +1,4 @@
-"""Rebuild every asset of the ``tiny`` preset from scratch, offline, in about seven minutes on two CPU cores.
+"""Rebuild every asset of the ``tiny`` preset from scratch, offline, in about twenty minutes on a CPU.
 
 Run from the repository root::
 

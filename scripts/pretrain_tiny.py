@@ -14,13 +14,13 @@
 Each folder holds ``config.json``, ``model.safetensors`` (fp32), ``generation_config.json`` for the causal LM, the
 tokenizer files (the encoder's copy wraps each text in ``<s> ... </s>``, the causal LM's adds nothing) and
 ``pretrain_log.json`` (the command, seed, hyper-parameters, loss curve, final loss, wall time, parameter count).
-Training is deterministic for a given seed and thread count; the shipped models were trained with ``--threads 1``
-(about three minutes for the encoder, sixteen for the causal LM).
+Training is deterministic for a given seed and thread count; the shipped models were trained with one thread, the
+default (about three minutes for the encoder, sixteen for the causal LM).
 
 Run from the repository root, after ``scripts/make_tiny_data.py`` and ``scripts/train_tiny_tokenizer.py``::
 
-    python scripts/pretrain_tiny.py                # both models
-    python scripts/pretrain_tiny.py --only encoder --threads 1  # one of them, as shipped
+    python scripts/pretrain_tiny.py                  # both models, as shipped
+    python scripts/pretrain_tiny.py --only encoder   # one of them
 """
 
 from __future__ import annotations
@@ -252,7 +252,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=TINY / "data", help="folder with the generated data")
     parser.add_argument("--tokenizer", type=Path, default=TINY / "tokenizer", help="folder with the trained tokenizer")
     parser.add_argument("--out", type=Path, default=TINY, help="parent folder of causal_lm/ and encoder/")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (default 2; results depend on it)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (results depend on it; the shipped models were trained with 1)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.only in (None, "causal"):
