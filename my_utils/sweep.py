@@ -1,33 +1,55 @@
-"""A LoRA rank sweep: one fresh process per rank, each writing its own results folder, then a table, plots and
-trade-off sentences computed from those folders.
+"""A LoRA sweep over a grid of settings: one fresh process per cell, each writing its own results folder, then
+tables, plots and sentences computed from those folders.
 
-    python -m my_utils.sweep --preset tiny --ranks 1 2 4 8 --out runs/sweeps/tiny
+    python -m my_utils.sweep --preset tiny --grid rank=1,4,16,64 alpha=32 --out runs/sweeps/tiny
+    python -m my_utils.sweep --preset tiny --grid rank=4,64 alpha=32 learning_rate=2e-3,8e-3 \\
+        --grid method=full learning_rate=2e-4,8e-4 --jobs 2 --out runs/sweeps/tiny_lr
     python -m my_utils.sweep --preset opt-350m --ranks 8 128 256 --out runs/sweeps/opt-350m   # a GPU
     python -m my_utils.sweep --spec sweep.json --out runs/sweeps/mine
 
-A sweep is declarative: a spec (preset, ranks, the workflow's other arguments) saved as ``sweep.json`` in the
-sweep folder, and one folder ``rank_<r>/`` per rank. Every rank runs ``python -m my_utils.workflows.lora ...
---rank r`` in a new process, so that no memory (allocator caches, a peak counter) carries over from one rank
-to the next. Running the sweep again skips every rank whose folder says ``complete``; a folder left by a
-failed or interrupted rank is renamed (``rank_8.failed``) and that rank runs again.
+A sweep is declarative: a spec (a preset, the workflow options every cell shares, and grids) saved as
+``sweep.json`` in the sweep folder. A grid maps workflow options to the values they take, and its cells are every
+combination (``rank=4,64 learning_rate=2e-3,8e-3`` is four cells); the sweep's cells are those of all its grids,
+a cell that two grids share counted once. ``--ranks 8 128 256`` is the grid ``rank=8,128,256`` with the workflow's
+default alpha, 2 x rank: the update's scale (alpha / rank) then stays 2, so a larger rank also takes larger steps
+and the sweep measures both (notebook 07 takes them apart); ``--grid rank=8,128,256 alpha=16`` holds alpha fixed.
+
+Every cell runs ``python -m my_utils.workflows.lora ...`` in a new process with its own folder (its name says the
+cell: ``rank16_alpha32_lr0.004``), so that no memory (allocator caches, a peak counter) carries over from one
+cell to the next. Running the sweep again skips every cell whose folder says ``complete``; a folder left by a
+failed or interrupted cell is renamed (``rank16_alpha32_lr0.004.failed``) and that cell runs again. With
+``--jobs 2`` two one-process cells train at a time on a CPU, each with half of the cores: quicker, and each
+cell's peak memory is still its own process's, but a cell's runtime then depends on its neighbour, so compare
+runtimes only between cells that ran under the same conditions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import itertools
 import json
+import math
 import sys
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from my_utils import UserError
 from my_utils.runs import RUNS_ROOT, atomic_write_json, load_run, read_json, unique_dir
 
 WORKFLOW = "my_utils.workflows.lora"
-# Ranks to try when none are given: a dense range on the tiny model, the classic assignment's on real models.
-DEFAULT_RANKS = {"tiny": (1, 2, 4, 8, 16, 32)}
-REAL_MODEL_RANKS = (8, 128, 256)
-# The workflow's other arguments when none are given: few steps on the tiny model, so that a sweep takes a minute.
-DEFAULT_ARGS = {"tiny": {"max_steps": 20, "eval_rows": 40, "logging_steps": 2}}
+# Options the sweep gives every cell itself.
+SET_BY_SWEEP = ("preset", "output_dir", "num_processes", "resume")
+# Grids to run when none are given: ranks at a fixed alpha (the update's scale then falls as 1/rank, so that a
+# rank's quality is not its step size), a dense range on the tiny model, the classic assignment's on real models.
+DEFAULT_GRIDS = {"tiny": [{"rank": [1, 4, 16, 64], "alpha": [32]}]}
+REAL_MODEL_GRIDS = [{"rank": [8, 128, 256], "alpha": [16]}]
+# The options every cell shares when none are given: few steps on the tiny model, so that a sweep takes a minute, in
+# fp32 (its matrices are too small for bf16 autocast to pay for itself).
+DEFAULT_ARGS = {"tiny": {"max_steps": 40, "eval_rows": 100, "logging_steps": 5, "mixed_precision": "no"}}
+# Short names of options in a cell's folder name (the others keep theirs).
+SHORT_NAMES = {"learning_rate": "lr", "max_steps": "steps", "batch_size": "batch"}
 # Environment for a process whose peak resident memory is compared with another's. glibc raises its mmap
 # threshold each time a large block is freed, so later large blocks come from a heap that keeps freed memory:
 # the peak then depends on the order of frees and moves by 20 MiB between identical runs. A fixed threshold
@@ -35,50 +57,150 @@ DEFAULT_ARGS = {"tiny": {"max_steps": 20, "eval_rows": 40, "logging_steps": 2}}
 STEADY_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-@dataclass
-class SweepSpec:
-    """What a sweep runs: ``args`` are the workflow's command-line options without dashes
-    (``{"max_steps": 30}`` becomes ``--max-steps 30``; ``{"random_init": True}`` becomes ``--random-init``)."""
+def _option_types() -> dict[str, str]:
+    """The workflow's options and their declared types, in the workflow's order."""
+    from my_utils.workflows.lora import Config
 
-    preset: str = "tiny"
-    ranks: tuple[int, ...] = ()
-    args: dict = field(default_factory=dict)
-    num_processes: int = 1
-
-    def __post_init__(self):
-        from my_utils.models import check_lora_args
-        from my_utils.presets import get_preset
-
-        get_preset(self.preset)
-        self.ranks = tuple(sorted(set(self.ranks or DEFAULT_RANKS.get(self.preset, REAL_MODEL_RANKS))))
-        for rank in self.ranks:
-            check_lora_args(rank)
-        reserved = {"preset", "rank", "output_dir", "method", "num_processes"} & set(self.args)
-        if reserved:
-            raise UserError(f"The sweep sets --{sorted(reserved)[0].replace('_', '-')} itself; remove it from args.")
+    return {f.name: f.type for f in fields(Config)}
 
 
-def rank_dir(out: str | Path, rank: int) -> Path:
-    return Path(out) / f"rank_{rank}"
-
-
-def _flags(args: dict) -> list[str]:
+def _flags(options: dict) -> list[str]:
+    """Workflow command-line options: ``{"max_steps": 0}`` is ``--max-steps 0`` (every value passes, 0 included),
+    True a bare switch (``--rslora``), a list several values (``--targets c_attn c_fc``); False and None leave the
+    option out, so that the workflow's default applies."""
     flags = []
-    for key, value in args.items():
+    for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             flags.append(flag)
-        elif value not in (False, None):
+        elif value is not False and value is not None:
             flags += [flag, *map(str, value)] if isinstance(value, (list, tuple)) else [flag, str(value)]
     return flags
 
 
-def rank_command(spec: SweepSpec, rank: int, folder: Path) -> list[str]:
-    """The command that trains one rank in a new process (``accelerate launch`` for several processes)."""
+def _workflow_config(options: dict):
+    """The workflow's Config for ``options``, read by the workflow's own parser (its types and choices); the
+    parser's one-line complaint becomes a UserError."""
+    from my_utils.workflows.lora import parse_args
+
+    complaint = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(complaint):
+            return parse_args(_flags(options))
+    except SystemExit:
+        reason = complaint.getvalue().strip().split(": error: ", 1)[-1]
+        raise UserError(f"The LoRA workflow rejects {' '.join(_flags(options))}: {reason}") from None
+
+
+def _canonical(key: str, value, types: dict):
+    """``value`` as the workflow reads it (1e-3 and 0.001 are one value; a list of modules stays a list)."""
+    if key in SET_BY_SWEEP:
+        raise UserError(f"The sweep sets --{key.replace('_', '-')} itself; remove it from the grid and the args.")
+    if key not in types:
+        raise UserError(f"The LoRA workflow has no option --{key.replace('_', '-')}; "
+                        "see python -m my_utils.workflows.lora --help.")
+    if types[key] == "bool":
+        if not isinstance(value, bool):
+            raise UserError(f"--{key.replace('_', '-')} is a switch: give true or false, not {value!r}.")
+        return value
+    value = getattr(_workflow_config({key: value}), key)
+    return list(value) if isinstance(value, tuple) else value
+
+
+def cell_name(cell: dict) -> str:
+    """A cell's folder name, from its options: ``rank16_alpha32_lr0.004``, ``full_lr0.0004``, ``rank4_rslora``."""
+    parts = []
+    for key, value in cell.items():
+        if value is True:
+            parts.append(key)
+        elif isinstance(value, list):
+            parts.append("+".join(value))
+        elif isinstance(value, str):
+            parts.append(value)
+        else:
+            parts.append(f"{SHORT_NAMES.get(key, key)}{value:g}")
+    return "_".join(parts) or "default"
+
+
+@dataclass
+class SweepSpec:
+    """What a sweep runs. Options are the workflow's, without dashes (``{"max_steps": 30}`` is ``--max-steps 30``,
+    ``{"rslora": True}`` is ``--rslora``): ``args`` holds those every cell shares, and each grid maps options to the
+    values they take (``{"rank": [4, 64], "alpha": [32]}`` is two cells). Every value is checked by the workflow's
+    own parser and checks when the spec is made: a bad one stops it with one sentence, before anything runs."""
+
+    preset: str = "tiny"
+    grids: list[dict] = field(default_factory=list)
+    args: dict = field(default_factory=dict)
+    num_processes: int = 1
+
+    def __post_init__(self):
+        from my_utils.presets import get_preset
+        from my_utils.workflows.lora import validate
+
+        get_preset(self.preset)
+        types = _option_types()
+        self.args = {key: _canonical(key, value, types) for key, value in self.args.items()}
+        self.grids = [self._checked_grid(grid, types) for grid in
+                      (self.grids or DEFAULT_GRIDS.get(self.preset, REAL_MODEL_GRIDS))]
+        targets = set()
+        for cell in self.cells():
+            cfg = _workflow_config({"preset": self.preset, **self.args, **cell})
+            validate(cfg)
+            if cfg.method == "lora" and cfg.targets:
+                targets.add(cfg.targets)
+        _check_targets(self.preset, targets)
+
+    def _checked_grid(self, grid: dict, types: dict) -> dict:
+        if not isinstance(grid, dict):
+            raise UserError(f"A grid maps options to lists of values, like {{'rank': [4, 16]}}; got {grid!r}.")
+        checked = {}
+        for key, values in grid.items():
+            if key in self.args:
+                raise UserError(f"--{key.replace('_', '-')} is both a grid option and a shared arg; keep one.")
+            if not isinstance(values, (list, tuple)) or not values:
+                raise UserError(f"The grid's {key} takes a non-empty list of values, like [4, 16]; got {values!r}.")
+            checked[key] = [_canonical(key, value, types) for value in values]
+            repeated = [v for i, v in enumerate(checked[key]) if v in checked[key][:i]]
+            if repeated:
+                raise UserError(f"The grid gives {key} {repeated[0]!r} twice; list each value once.")
+        return checked
+
+    def cells(self) -> list[dict]:
+        """Every grid's cells, in order, each once: the options that set a cell apart (in the workflow's order;
+        None and False, the workflow's defaults, left out)."""
+        order = list(_option_types())
+        cells = {}
+        for grid in self.grids:
+            for values in itertools.product(*grid.values()):
+                cell = {k: v for k, v in sorted(zip(grid, values), key=lambda kv: order.index(kv[0]))
+                        if v is not None and v is not False}
+                if cells.setdefault(cell_name(cell), cell) != cell:
+                    raise UserError(f"Two cells would share the folder {cell_name(cell)}; make their values differ "
+                                    "in the first six digits.")
+        return list(cells.values())
+
+
+def _check_targets(preset_name: str, targets: set) -> None:
+    """Every target module exists in the preset's architecture (built on the meta device: no weights)."""
+    from my_utils.presets import get_preset
+
+    shipped = get_preset(preset_name).offline_config.get("causal")
+    if not targets or not shipped:
+        return
+    from my_utils.devices import meta_model
+    from my_utils.models import check_lora_targets
+
+    model = meta_model(shipped)
+    for names in sorted(targets):
+        check_lora_targets(model, names)
+
+
+def cell_command(spec: SweepSpec, cell: dict, folder: Path) -> list[str]:
+    """The command that trains one cell in a new process (``accelerate launch`` for several processes)."""
     from my_utils.launch import accelerate_command
 
-    args = ["--preset", spec.preset, "--method", "lora", "--rank", str(rank), "--output-dir", str(folder),
-            *_flags(spec.args)]
+    args = ["--preset", spec.preset, *_flags({**spec.args, **cell}), "--output-dir", str(folder)]
     if spec.num_processes > 1:
         return accelerate_command(WORKFLOW, [*args, "--num-processes", str(spec.num_processes)],
                                   num_processes=spec.num_processes)
@@ -92,8 +214,14 @@ def _status(folder: Path) -> str | None:
         return "unreadable" if folder.exists() else None
 
 
+def _saved_cells(out: Path) -> list[dict]:
+    """The cells recorded in ``out/sweep.json``: every cell any run of the sweep in ``out`` asked for."""
+    saved = out / "sweep.json"
+    return read_json(saved).get("cells", []) if saved.is_file() else []
+
+
 def _check_same_experiment(spec: SweepSpec, out: Path) -> None:
-    """A sweep folder holds one experiment: the same preset, arguments and process count for every rank."""
+    """A sweep folder holds one experiment: the same preset, shared args and process count for every cell."""
     saved_file = out / "sweep.json"
     if not saved_file.is_file():
         return
@@ -107,46 +235,117 @@ def _check_same_experiment(spec: SweepSpec, out: Path) -> None:
         )
 
 
-def run_sweep(spec: SweepSpec, out: str | Path) -> list[dict]:
-    """Train every rank of ``spec`` not yet complete in ``out``, each in its own process; returns ``load_sweep``."""
+def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bool = True) -> list[dict]:
+    """Train every cell of ``spec`` not yet complete in ``out``, each in its own process, ``jobs`` at a time;
+    returns ``load_sweep(out)``. ``steady_memory``: run the cells with ``STEADY_MEMORY_ENV``, so that their peak
+    memory compares (it costs each process time in system calls; leave it off for cells compared for quality
+    only). Every cell's output goes to ``output.log`` in its folder; a line per cell says how it ended. Cells that
+    fail do not stop the others: the sweep raises at the end, naming them."""
     from tqdm.auto import tqdm
 
-    from my_utils.launch import check_process_count, clean_env, run_command
+    from my_utils.devices import usable_cores
+    from my_utils.launch import check_process_count, clean_env, is_cpu_only
+    from my_utils.training import check_positive
 
     out = Path(out)
+    check_positive("--jobs", jobs)
     check_process_count(spec.num_processes)
+    if jobs > 1 and (spec.num_processes > 1 or not is_cpu_only()):
+        raise UserError("--jobs above 1 runs one-process cells side by side on a CPU; on GPUs, or with "
+                        "--num-processes, run one cell at a time.")
+    if jobs > usable_cores():
+        cores = usable_cores()
+        raise UserError(f"--jobs {jobs} is more than this machine's {cores} cores; use --jobs {cores} or fewer.")
     _check_same_experiment(spec, out)
     out.mkdir(parents=True, exist_ok=True)
-    saved = read_json(out / "sweep.json")["ranks"] if (out / "sweep.json").is_file() else []
-    atomic_write_json(out / "sweep.json", {**asdict(spec), "ranks": sorted(set(saved) | set(spec.ranks))})
-    bar = tqdm(spec.ranks, desc="rank sweep", unit="rank", file=sys.stdout)
-    for rank in bar:
-        folder = rank_dir(out, rank)
+    cells = {cell_name(c): c for c in _saved_cells(out)} | {cell_name(c): c for c in spec.cells()}
+    atomic_write_json(out / "sweep.json", {**asdict(spec), "cells": list(cells.values())})
+
+    todo = []
+    for cell in spec.cells():
+        folder = out / cell_name(cell)
         status = _status(folder)
         if status == "complete":
-            bar.write(f"rank {rank}: complete in {folder}, skipped")
+            print(f"{folder.name}: complete, skipped", flush=True)
             continue
         if status is not None:
             moved = unique_dir(folder.with_name(f"{folder.name}.{status}"))
             folder.rename(moved)
-            bar.write(f"rank {rank}: the earlier run was {status}; kept as {moved.name}, running it again")
-        bar.set_postfix(rank=rank)
-        # The child's own progress bars would interleave with the sweep's, so they are switched off.
-        run_command(rank_command(spec, rank, folder), env=clean_env(TQDM_DISABLE=1, **STEADY_MEMORY_ENV))
+            print(f"{folder.name}: the earlier run was {status}; kept as {moved.name}, running it again", flush=True)
+        todo.append(cell)
+    # The children's own progress bars would only fill their logs. Cells side by side share the cores.
+    threads = {"OMP_NUM_THREADS": max(1, usable_cores() // jobs)} if jobs > 1 else {}
+    env = clean_env(TQDM_DISABLE=1, **threads, **(STEADY_MEMORY_ENV if steady_memory else {}))
+    running, failed = {}, []
+    bar = tqdm(total=len(todo), desc="sweep", unit="cell", file=sys.stdout)
+    try:
+        while todo or running:
+            while todo and len(running) < jobs:
+                cell = todo.pop(0)
+                folder = out / cell_name(cell)
+                log = out / f"{folder.name}.log"
+                with open(log, "w", encoding="utf-8") as f:
+                    proc = _start(cell_command(spec, cell, folder), env, f)
+                running[proc] = (folder, log, time.perf_counter())
+            time.sleep(0.1)
+            for proc in [p for p in running if p.poll() is not None]:
+                folder, log, started = running.pop(proc)
+                if folder.is_dir():
+                    log = log.replace(folder / "output.log")
+                if proc.returncode:
+                    failed.append(f"{folder.name} (exit code {proc.returncode}; its output is in {log})")
+                bar.update()
+                bar.write(_ended(folder, time.perf_counter() - started))
+    finally:
+        for proc in running:  # interrupted: the cells still training stop too (and record it)
+            proc.terminate()
+            proc.wait()
+        bar.close()
+    if failed:
+        raise RuntimeError(f"{len(failed)} cell(s) failed: {'; '.join(failed)}. Run the sweep again to retry them.")
     return load_sweep(out)
 
 
+def _start(cmd: list[str], env: dict, log):
+    import subprocess
+
+    from my_utils.runs import REPO_ROOT
+
+    log.write("$ " + " ".join(cmd) + "\n")
+    log.flush()
+    return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _ended(folder: Path, seconds: float) -> str:
+    status = _status(folder) or "failed before its folder was made"
+    line = f"{folder.name}: {status} after {seconds:.0f} s"
+    if status == "complete":
+        loss = read_json(folder / "summary.json").get("eval_loss")
+        line += "" if loss is None else f", held-out loss {loss:.3f}"
+    return line
+
+
+# What a row says about its cell: the settings in effect (defaults resolved), from summary.json and run.json.
+SETTINGS = ("method", "rank", "alpha", "rslora", "targets", "learning_rate", "steps", "seed")
+
+
 def load_sweep(out: str | Path) -> list[dict]:
-    """One row per complete rank folder of the sweep in ``out``, ordered by rank: the figures a sweep compares."""
+    """One row per complete cell of the sweep in ``out``, in the sweep's order: the cell, the settings it ran
+    with and the figures a sweep compares."""
+    out = Path(out)
     rows = []
-    for folder in Path(out).glob("rank_*"):
-        if not folder.name.removeprefix("rank_").isdigit() or _status(folder) != "complete":
+    for cell in _saved_cells(out):
+        folder = out / cell_name(cell)
+        if _status(folder) != "complete":
             continue
         run = load_run(folder)
         s = run["summary"]
+        settings = {**run["run"]["config"], **s}  # the summary's values are the resolved ones
         rows.append({
-            "rank": s["rank"],
+            "name": folder.name,
             "path": str(folder),
+            "cell": cell,
+            **{key: settings.get(key) for key in SETTINGS},
             "pid": run["run"].get("pid"),
             "ppid": run["run"].get("ppid"),
             "runtime_s": s["runtime_s"],
@@ -154,84 +353,85 @@ def load_sweep(out: str | Path) -> list[dict]:
             "peak_memory_bytes": s["peak_memory_bytes"],
             "trainable_params": s["trainable_params"],
             "adapter_bytes": s["adapter_bytes"],
-            "exact_match_before": s.get("exact_match_before"),
-            "exact_match": s.get("exact_match_after"),
+            "eval_loss": s.get("eval_loss"),
             "train_loss_final": s.get("train_loss_final"),
+            "exact_match": s.get("exact_match_after"),
             "loss_curve": [(m["step"], m["loss"]) for m in run["metrics"] if "loss" in m and "step" in m],
         })
-    return sorted(rows, key=lambda r: r["rank"])
+    return rows
+
+
+def select(rows: list[dict], **settings) -> list[dict]:
+    """The rows whose settings (``SETTINGS``, as the runs recorded them) are ``settings``:
+    ``select(rows, method="lora", alpha=32, learning_rate=4e-3)``."""
+    def same(have, want):
+        if isinstance(want, float) and isinstance(have, (int, float)):
+            return math.isclose(have, want, rel_tol=1e-6)
+        return have == (list(want) if isinstance(want, tuple) else want)
+
+    return [r for r in rows if all(same(r[key], value) for key, value in settings.items())]
+
+
+def update_scale(row: dict) -> float | None:
+    """The factor LoRA multiplies its update B A by: alpha / r, or alpha / sqrt(r) with rsLoRA (None for full
+    fine-tuning)."""
+    if row["method"] != "lora":
+        return None
+    return row["alpha"] / (math.sqrt(row["rank"]) if row["rslora"] else row["rank"])
+
+
+def _label(row: dict, keys=("rank", "alpha", "rslora", "targets")) -> str:
+    """A row's settings in words, those named in ``keys`` (the ones that tell the compared rows apart)."""
+    if row["method"] != "lora":
+        return f"full fine-tuning, lr {row['learning_rate']:g}" if "learning_rate" in keys else "full fine-tuning"
+    words = {"rank": f"rank {row['rank']}", "alpha": f"alpha {row['alpha']:g}",
+             "rslora": "rsLoRA" if row["rslora"] else "", "targets": "+".join(row["targets"]),
+             "learning_rate": f"lr {row['learning_rate']:g}", "steps": f"{row['steps']} steps",
+             "seed": f"seed {row['seed']}"}
+    return ", ".join(words[k] for k in keys if words[k]) or "LoRA"
+
+
+def _varying(rows: list[dict], keys=SETTINGS) -> list[str]:
+    """The settings that differ between the LoRA rows among ``rows``."""
+    lora = [r for r in rows if r["method"] == "lora"]
+    return [k for k in keys if len({json.dumps(r[k]) for r in lora}) > 1]
+
+
+def _number(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
 
 
 def sweep_table(rows: list[dict]) -> str:
+    """Every cell's figures, one line per cell (the folder's name says the cell)."""
     from my_utils.compare import text_table
     from my_utils.memory import format_bytes
 
-    def number(value, fmt):
-        return "-" if value is None else fmt.format(value)
-
-    header = ["rank", "trainable", "adapter", "peak memory", "runtime", "samples/s", "final loss", "exact match"]
-    table = [[str(r["rank"]), f"{r['trainable_params']:,}", format_bytes(r["adapter_bytes"]),
-              format_bytes(r["peak_memory_bytes"]), f"{r['runtime_s']:.1f} s", f"{r['samples_per_s']:.1f}",
-              number(r["train_loss_final"], "{:.3f}"), number(r["exact_match"], "{:.2f}")] for r in rows]
+    header = ["cell", "scale", "trainable", "adapter", "peak memory", "runtime", "held-out loss", "final train loss",
+              "exact match"]
+    table = [[r["name"], _number(update_scale(r), "{:.3g}"), f"{r['trainable_params']:,}",
+              format_bytes(r["adapter_bytes"]), format_bytes(r["peak_memory_bytes"]), f"{r['runtime_s']:.1f} s",
+              _number(r["eval_loss"], "{:.3f}"), _number(r["train_loss_final"], "{:.3f}"),
+              _number(r["exact_match"], "{:.2f}")] for r in rows]
+    if all(r["exact_match"] is None for r in rows):  # the generation evaluation was skipped
+        header, table = header[:-1], [line[:-1] for line in table]
     return text_table(header, table)
 
 
-def plot_sweep(rows: list[dict], out: str | Path) -> list[Path]:
-    """Two figures in ``out``: the loss curve of every rank, and each measured figure against the rank."""
-    from my_utils.memory import MiB
-    from my_utils.plots import new_figure, save
-
-    out = Path(out)
-    fig = new_figure(7, 4)
-    ax = fig.add_subplot()
-    for r in rows:
-        if r["loss_curve"]:
-            ax.plot(*zip(*r["loss_curve"]), marker=".", label=f"rank {r['rank']}")
-    ax.set(xlabel="optimizer step", ylabel="training loss", title="loss curve per LoRA rank")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize="small")
-    paths = [save(fig, out / "loss_curves.png")]
-
-    fig = new_figure(10, 6)
-    # (summary key, title, unit, log scale): parameters and adapter size grow linearly with the rank, a straight
-    # line of slope 1 on log-log axes
-    panels = [("trainable_params", "trainable parameters", 1, True), ("adapter_bytes", "adapter file (MiB)", MiB, True),
-              ("peak_memory_bytes", "peak memory (MiB)", MiB, False), ("runtime_s", "training time (s)", 1, False),
-              ("samples_per_s", "samples/s", 1, False), ("exact_match", "exact match after training", 1, False)]
-    ranks = [r["rank"] for r in rows]
-    for ax, (key, title, unit, log) in zip(fig.subplots(2, 3).flat, panels):
-        ax.plot(ranks, [r[key] / unit if r[key] is not None else float("nan") for r in rows], marker="o")
-        ax.set_xscale("log", base=2)
-        if log:
-            ax.set_yscale("log")
-        ax.set_xticks(ranks, [str(k) for k in ranks])
-        ax.set(xlabel="LoRA rank", title=title)
-        ax.grid(alpha=0.3)
-    paths.append(save(fig, out / "rank_tradeoffs.png"))
-    return paths
-
-
-def tradeoffs(rows: list[dict]) -> list[str]:
-    """Pros and cons of small and large ranks, each sentence computed from the measured rows."""
+def tradeoffs(rows: list[dict], noise: float = 0.05) -> list[str]:
+    """What a larger rank costs and buys, each sentence computed from ``rows`` (cells that differ only in rank).
+    ``noise``: the held-out loss difference between two seeds of one cell; closer losses count as equal."""
     from my_utils.memory import format_bytes
 
+    rows = sorted(rows, key=lambda r: r["rank"])
     if len(rows) < 2:
         return ["Only one rank finished; a trade-off needs at least two."]
     small, large = rows[0], rows[-1]
     a, b = f"rank {small['rank']}", f"rank {large['rank']}"
     sentence = (f"{b} trains {large['trainable_params'] / small['trainable_params']:.1f}x more parameters than {a} "
                 f"({large['trainable_params']:,} vs {small['trainable_params']:,})")
-    if small["exact_match"] is not None and large["exact_match"] is not None:
-        sentence += (f" for {large['exact_match'] - small['exact_match']:+.2f} exact match "
-                     f"({small['exact_match']:.2f} -> {large['exact_match']:.2f})")
+    if small["eval_loss"] is not None and large["eval_loss"] is not None:
+        sentence += (f" for a held-out loss of {large['eval_loss']:.3f} against {small['eval_loss']:.3f}")
     sentences = [sentence + "."]
-    if small["train_loss_final"] is not None and large["train_loss_final"] is not None:
-        faster = large["train_loss_final"] < small["train_loss_final"]
-        sentences.append(
-            f"After the same number of steps the training loss is {large['train_loss_final']:.3f} at {b} and "
-            f"{small['train_loss_final']:.3f} at {a}: the larger rank "
-            f"{'fitted the training data faster' if faster else 'did not fit the training data faster'}."
-        )
     sentences += [
         f"The adapter file of {b} is {large['adapter_bytes'] / small['adapter_bytes']:.1f}x larger "
         f"({format_bytes(large['adapter_bytes'])} vs {format_bytes(small['adapter_bytes'])}): the cost of storing "
@@ -244,67 +444,328 @@ def tradeoffs(rows: list[dict]) -> list[str]:
         f"({large['runtime_s']:.1f} s vs {small['runtime_s']:.1f} s, {large['samples_per_s']:.1f} vs "
         f"{small['samples_per_s']:.1f} samples/s).",
     ]
-    scored = [r for r in rows if r["exact_match"] is not None]
+    scored = [r for r in rows if r["eval_loss"] is not None]
     if scored:
-        best = max(scored, key=lambda r: (r["exact_match"], -r["rank"]))
-        # the smallest rank whose quality is within 0.02 of the best: beyond it, extra rank buys little
-        enough = min((r for r in scored if r["exact_match"] >= best["exact_match"] - 0.02), key=lambda r: r["rank"])
+        best = min(scored, key=lambda r: (r["eval_loss"], r["rank"]))
+        # the smallest rank as good as the best within the noise: beyond it, extra rank buys nothing measurable
+        enough = min((r for r in scored if r["eval_loss"] <= best["eval_loss"] + noise), key=lambda r: r["rank"])
         if enough is best:
-            sentences.append(f"Best exact match: rank {best['rank']} ({best['exact_match']:.2f}); no smaller rank "
-                             "comes within 0.02 of it.")
+            sentences.append(f"Lowest held-out loss: rank {best['rank']} ({best['eval_loss']:.3f}); no smaller rank "
+                             f"comes within {noise} of it.")
         else:
-            share = enough["trainable_params"] / best["trainable_params"]
             sentences.append(
-                f"Best exact match: rank {best['rank']} ({best['exact_match']:.2f}); rank {enough['rank']} comes "
-                f"within 0.02 of it ({enough['exact_match']:.2f}) with {share:.2f}x its trainable parameters."
+                f"Lowest held-out loss: rank {best['rank']} ({best['eval_loss']:.3f}); rank {enough['rank']} comes "
+                f"within {noise} of it ({enough['eval_loss']:.3f}) with "
+                f"{enough['trainable_params'] / best['trainable_params']:.2f}x its trainable parameters."
             )
     return sentences
 
 
+def plot_costs(rows: list[dict], out: str | Path) -> list[Path]:
+    """Two figures in ``out`` for cells that differ only in rank: every rank's loss curve, and each measured figure
+    against the rank (parameters and adapter size on log-log axes, the rest from zero, so that ratios read true)."""
+    from my_utils.memory import MiB
+    from my_utils.plots import new_figure, save
+
+    out = Path(out)
+    rows = sorted(rows, key=lambda r: r["rank"])
+    fig = new_figure(7, 4)
+    ax = fig.add_subplot()
+    for r in rows:
+        if r["loss_curve"]:
+            ax.plot(*zip(*r["loss_curve"]), marker=".", label=f"rank {r['rank']}")
+    ax.set(xlabel="optimizer step", ylabel="training loss", title="loss curve per LoRA rank")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    if ax.get_lines():
+        ax.legend(fontsize="small")
+    paths = [save(fig, out / "loss_curves.png")]
+
+    fig = new_figure(10, 6)
+    # (row key, title, unit, log scale): parameters and adapter size grow linearly with the rank, a straight line of
+    # slope 1 on log-log axes
+    panels = [("trainable_params", "trainable parameters", 1, True), ("adapter_bytes", "adapter file (MiB)", MiB, True),
+              ("peak_memory_bytes", "peak memory (MiB)", MiB, False), ("runtime_s", "training time (s)", 1, False),
+              ("samples_per_s", "samples/s", 1, False), ("eval_loss", "held-out loss after training", 1, False)]
+    ranks = [r["rank"] for r in rows]
+    for ax, (key, title, unit, log) in zip(fig.subplots(2, 3).flat, panels):
+        ax.plot(ranks, [r[key] / unit if r[key] is not None else float("nan") for r in rows], marker="o")
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_xticks(ranks, [str(k) for k in ranks])
+        ax.set(xlabel="LoRA rank", title=title)
+        ax.grid(alpha=0.3)
+    paths.append(save(fig, out / "rank_costs.png"))
+    return paths
+
+
+def scaling_rules(alpha: float, rs_alpha: float) -> dict:
+    """Three ways to scale LoRA's update B A as the rank r changes: alpha fixed (peft's alpha / r), rsLoRA (alpha /
+    sqrt(r)) and alpha = 2r (the workflow's default: 2 at every rank). Each maps a rank to the scale."""
+    return {f"alpha {alpha:g} (scale {alpha:g}/r)": lambda r: alpha / r,
+            f"rsLoRA, alpha {rs_alpha:g} (scale {rs_alpha:g}/sqrt(r))": lambda r: rs_alpha / math.sqrt(r),
+            "alpha = 2r (scale 2)": lambda r: 2.0}
+
+
+def scaling_lines(rows: list[dict], rules: dict) -> dict[str, list[dict]]:
+    """For each rule of ``scaling_rules``, the LoRA rows (by rank) whose update scale is the rule's at their rank.
+    Pass rows that differ only in rank and scaling: where two rules give one scale, they share a run."""
+    lines = {}
+    for label, rule in rules.items():
+        found = {r["rank"]: r for r in rows if r["method"] == "lora" and math.isclose(update_scale(r), rule(r["rank"]))}
+        lines[label] = [found[k] for k in sorted(found)]
+    return lines
+
+
+def scaling_table(lines: dict[str, list[dict]]) -> str:
+    """Held-out loss (and the update's scale) at every rank, one column per scaling rule."""
+    from my_utils.compare import text_table
+
+    ranks = sorted({r["rank"] for line in lines.values() for r in line})
+    table = []
+    for rank in ranks:
+        cells = []
+        for line in lines.values():
+            row = next((r for r in line if r["rank"] == rank), None)
+            cells.append("-" if row is None else f"{row['eval_loss']:.3f} (x{update_scale(row):.3g})")
+        table.append([str(rank), *cells])
+    return text_table(["rank", *lines], table)
+
+
+def scaling_findings(lines: dict[str, list[dict]]) -> list[str]:
+    """How far apart the smallest and the largest rank end under each scaling rule, and which rule spreads them most."""
+    gaps = {label: (line[0], line[-1]) for label, line in lines.items() if len(line) >= 2}
+    if not gaps:
+        return ["No scaling rule has two ranks; nothing to compare."]
+    spread = {label: small["eval_loss"] - large["eval_loss"] for label, (small, large) in gaps.items()}
+    sentences = [f"{label}: rank {small['rank']} ends at held-out loss {small['eval_loss']:.3f} and rank "
+                 f"{large['rank']} at {large['eval_loss']:.3f} ({abs(spread[label]):.3f} "
+                 f"{'lower' if spread[label] > 0 else 'higher'} at the larger rank)."
+                 for label, (small, large) in gaps.items()]
+    wide, narrow = max(spread, key=lambda k: abs(spread[k])), min(spread, key=lambda k: abs(spread[k]))
+    if wide != narrow and spread[narrow]:
+        sentences.append(f"The difference the rank makes is {abs(spread[wide] / spread[narrow]):.1f}x larger with "
+                         f"{wide} than with {narrow}: at each rank the cells differ only in the scale.")
+    return sentences
+
+
+def plot_scaling(lines: dict[str, list[dict]], out: str | Path) -> Path:
+    """Held-out loss against the rank, one line per scaling rule (the loss axis from zero)."""
+    from my_utils.plots import new_figure, save
+
+    fig = new_figure(7, 4)
+    ax = fig.add_subplot()
+    for label, line in lines.items():
+        ax.plot([r["rank"] for r in line], [r["eval_loss"] for r in line], marker="o", label=label)
+    ranks = sorted({r["rank"] for line in lines.values() for r in line})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks, [str(k) for k in ranks])
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="LoRA rank", ylabel="held-out loss after training", title="the same ranks under three scaling rules")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="lower left")
+    return save(fig, Path(out) / "scaling.png")
+
+
+def learning_rate_curves(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows that differ only in the learning rate, grouped (three rates at least) and sorted by rate; each label
+    says what sets its group apart (``full fine-tuning``, ``rank 16``)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(json.dumps([r[k] for k in SETTINGS if k != "learning_rate"]), []).append(r)
+    curves = [sorted(g, key=lambda r: r["learning_rate"]) for g in groups.values() if len(g) >= 3]
+    keys = [k for k in _varying([c[0] for c in curves]) if k != "learning_rate"] or ["rank"]
+    return {_label(c[0], keys): c for c in curves}
+
+
+def best_rate(curve: list[dict]) -> tuple[float, dict, bool]:
+    """Where a curve's held-out loss is lowest: the rate at the vertex of the parabola (in log rate) through the
+    best rate tried and its two neighbours, finer than the grid's steps and less moved by one noisy point; the best
+    row; and whether it lies inside the rates tried (at an end the best may lie beyond: that end's rate is given)."""
+    i = min(range(len(curve)), key=lambda k: curve[k]["eval_loss"])
+    best = curve[i]
+    if i in (0, len(curve) - 1):
+        return best["learning_rate"], best, False
+    (x0, y0), (x1, y1), (x2, y2) = [(math.log(r["learning_rate"]), r["eval_loss"]) for r in curve[i - 1:i + 2]]
+    den = (x1 - x0) * (y1 - y2) - (x1 - x2) * (y1 - y0)
+    if den == 0:  # three equal losses: no curvature to place a vertex
+        return best["learning_rate"], best, True
+    return math.exp(x1 - 0.5 * ((x1 - x0) ** 2 * (y1 - y2) - (x1 - x2) ** 2 * (y1 - y0)) / den), best, True
+
+
+def learning_rate_table(curves: dict[str, list[dict]]) -> str:
+    """Held-out loss at every rate tried (the lowest of each line starred) and the interpolated best rate."""
+    from my_utils.compare import text_table
+
+    rates = sorted({r["learning_rate"] for curve in curves.values() for r in curve})
+    table = []
+    for label, curve in curves.items():
+        rate, best, inside = best_rate(curve)
+        by_rate = {r["learning_rate"]: r for r in curve}
+        table.append([label, *(("-" if x not in by_rate else f"{by_rate[x]['eval_loss']:.3f}"
+                                + ("*" if by_rate[x] is best else "")) for x in rates),
+                      f"{rate:.2g}" + ("" if inside else " (an end)")])
+    return text_table(["held-out loss at lr", *(f"{x:g}" for x in rates), "best lr"], table)
+
+
+def learning_rate_findings(curves: dict[str, list[dict]], published_ratio: float = 10) -> list[str]:
+    """Each line's best rate; how far LoRA's best rate moves with the rank; and LoRA's best rate against full
+    fine-tuning's, beside the published ``published_ratio`` ("LoRA Without Regret", Thinking Machines, 2025)."""
+    bests = {label: best_rate(curve) for label, curve in curves.items()}
+    sentences = [f"{label}: best rate about {rate:.2g} (lowest held-out loss {row['eval_loss']:.3f}, at "
+                 f"{row['learning_rate']:g})" + ("" if inside else ", at an end of the rates tried: the best may lie "
+                                                 "beyond") + "."
+                 for label, (rate, row, inside) in bests.items()]
+    lora = {label: b for label, b in bests.items() if b[1]["method"] == "lora"}
+    full = [b for b in bests.values() if b[1]["method"] != "lora"]
+    if len(lora) >= 2:
+        rates = [rate for rate, _, _ in lora.values()]
+        sentences.append(f"From {' to '.join(lora)}, LoRA's best rate moves by a factor of "
+                         f"{max(rates) / min(rates):.1f} (published, with alpha fixed: hardly at all).")
+    if full and lora:
+        ratios = [rate / full[0][0] for rate, _, _ in lora.values()]
+        low, high = min(ratios), max(ratios)
+        verdict = ("within a factor of 2 of it" if published_ratio / 2 <= low and high <= 2 * published_ratio
+                   else "smaller" if high < published_ratio else "larger" if low > published_ratio else "around it")
+        sentences.append(f"LoRA's best rate is {low:.1f}x to {high:.1f}x full fine-tuning's ({full[0][0]:.2g}); the "
+                         f"published factor is about {published_ratio:g}x, and this one is {verdict}.")
+    return sentences
+
+
+def plot_learning_rates(curves: dict[str, list[dict]], out: str | Path) -> Path:
+    """Held-out loss against the learning rate, one line per group (full fine-tuning dashed), each best rate marked
+    by a dotted line; the loss axis from zero."""
+    from my_utils.plots import new_figure, save
+
+    fig = new_figure(7, 4)
+    ax = fig.add_subplot()
+    for label, curve in curves.items():
+        rate, _, _ = best_rate(curve)
+        (line,) = ax.plot([r["learning_rate"] for r in curve], [r["eval_loss"] for r in curve], marker="o",
+                          linestyle="--" if curve[0]["method"] != "lora" else "-", label=f"{label} (best {rate:.2g})")
+        ax.axvline(rate, color=line.get_color(), linestyle=":", alpha=0.7)
+    ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="learning rate", ylabel="held-out loss after training", title="learning rate against method and rank")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left")
+    return save(fig, Path(out) / "learning_rates.png")
+
+
+def targets_findings(rows: list[dict]) -> list[str]:
+    """Cells with as many trainable parameters and the same rate but other target modules, compared; then the
+    lowest held-out loss each set of targets reached anywhere in ``rows``."""
+    lora = [r for r in rows if r["method"] == "lora" and r["eval_loss"] is not None]
+    sentences = []
+    matched = {}
+    for r in lora:
+        matched.setdefault((r["trainable_params"], r["learning_rate"]), {}).setdefault("+".join(r["targets"]), r)
+    for (params, rate), by_targets in matched.items():
+        if len(by_targets) > 1:
+            sentences.append(f"At {params:,} trainable parameters and lr {rate:g}: " + "; ".join(
+                f"{targets} at rank {r['rank']} reaches held-out loss {r['eval_loss']:.3f}"
+                for targets, r in sorted(by_targets.items(), key=lambda t: t[1]["eval_loss"])) + ".")
+    best = {}
+    for r in sorted(lora, key=lambda r: r["eval_loss"]):
+        best.setdefault("+".join(r["targets"]), r)
+    if len(best) > 1:
+        sentences.append("Lowest held-out loss anywhere in the grid: " + "; ".join(
+            f"{targets}: {r['eval_loss']:.3f} ({_label(r, ('rank', 'alpha', 'rslora', 'learning_rate'))})"
+            for targets, r in best.items()) + ".")
+    return sentences
+
+
+def rank_ladder(rows: list[dict]) -> list[dict]:
+    """The largest group of LoRA rows that differ only in rank, by rank: the rows whose costs ``tradeoffs`` compares."""
+    groups = {}
+    for r in rows:
+        if r["method"] == "lora":
+            groups.setdefault(json.dumps([r[k] for k in SETTINGS if k != "rank"]), []).append(r)
+    return sorted(max(groups.values(), key=len, default=[]), key=lambda r: r["rank"])
+
+
 def report(out: str | Path) -> str:
-    """The sweep's table and trade-off sentences as text (also written to ``out/report.md``); draws the plots."""
+    """The sweep's table and sentences as text (also written to ``out/report.md``); draws the plots."""
     rows = load_sweep(out)
     if not rows:
-        raise UserError(f"No complete rank folder in {out}; run the sweep first.")
-    plot_sweep(rows, out)
-    text = sweep_table(rows) + "\n\n" + "\n".join(f"- {s}" for s in tradeoffs(rows))
+        raise UserError(f"No complete cell in {out}; run the sweep first.")
+    ladder, curves = rank_ladder(rows), learning_rate_curves(rows)
+    parts = [sweep_table(rows)]
+    if len(ladder) >= 2:
+        plot_costs(ladder, out)
+        parts.append("\n".join(f"- {s}" for s in tradeoffs(ladder)))
+    if curves:
+        plot_learning_rates(curves, out)
+        parts += [learning_rate_table(curves), "\n".join(f"- {s}" for s in learning_rate_findings(curves))]
+    found = targets_findings(rows)
+    if found:
+        parts.append("\n".join(f"- {s}" for s in found))
+    text = "\n\n".join(parts)
     (Path(out) / "report.md").write_text(text + "\n", encoding="utf-8")
     return text
 
 
-def parse_args(argv=None) -> tuple[SweepSpec, Path]:
+def parse_grid(items: list[str]) -> dict:
+    """One ``--grid``: ``["rank=4,16", "targets=c_attn,c_attn+c_fc"]`` is
+    ``{"rank": [4, 16], "targets": ["c_attn", ["c_attn", "c_fc"]]}``. Values split at commas, a value with ``+`` is a
+    list, the rest read as JSON where they can be (numbers, true/false) and as text otherwise; ``SweepSpec`` then
+    reads each as the workflow does."""
+    grid = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key or not values:
+            raise UserError(f"--grid takes OPTION=VALUE,VALUE...; got {item!r}.")
+        grid[key.replace("-", "_")] = [v.split("+") if "+" in v else _literal(v) for v in values.split(",")]
+    return grid
+
+
+def _literal(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parse_args(argv=None) -> tuple[SweepSpec, Path, int]:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m my_utils.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--spec", type=Path, help="a JSON file with preset, ranks and args (the options below override it)")
+    p.add_argument("--spec", type=Path, help="a JSON file with preset, grids, args (the options below override it)")
     p.add_argument("--preset", help="tiny (CPU, offline), gpt2, opt-350m (default: tiny)")
-    p.add_argument("--ranks", type=int, nargs="+",
-                   help=f"LoRA ranks (default: {' '.join(map(str, DEFAULT_RANKS['tiny']))} on tiny, "
-                   f"{' '.join(map(str, REAL_MODEL_RANKS))} otherwise)")
+    p.add_argument("--grid", nargs="+", action="append", metavar="OPTION=V1,V2",
+                   help="one grid of workflow options and their values (repeat --grid for several); default: "
+                   "rank=1,4,16,64 alpha=32 on tiny, rank=8,128,256 alpha=16 otherwise")
+    p.add_argument("--ranks", type=int, nargs="+", help="the grid rank=R1,R2,... (alpha: the workflow's 2 x rank)")
     p.add_argument("--out", type=Path, help="the sweep folder (default: runs/sweeps/<preset>); reuse it to resume")
-    p.add_argument("--num-processes", type=int, help="processes per rank's run (accelerate launch when > 1)")
-    for name, kind, text in (("max-steps", int, "optimizer steps per rank"), ("batch-size", int, "per process"),
-                             ("eval-rows", int, "held-out rows for exact match"), ("max-length", int, "tokens"),
-                             ("learning-rate", float, "the workflow's learning rate")):
+    p.add_argument("--jobs", type=int, default=1,
+                   help="one-process cells trained side by side on a CPU (default 1: one at a time)")
+    p.add_argument("--num-processes", type=int, help="processes per cell's run (accelerate launch when > 1)")
+    shared = {"max-steps": (int, "optimizer steps per cell"), "batch-size": (int, "per process"),
+              "eval-rows": (int, "held-out rows for the loss and exact match"), "max-length": (int, "tokens"),
+              "learning-rate": (float, "the workflow's learning rate")}
+    for name, (kind, text) in shared.items():
         p.add_argument(f"--{name}", type=kind, help=text)
     p.add_argument("--random-init", action="store_true", help="random weights (offline; no quality)")
     a = p.parse_args(argv)
     spec = json.loads(a.spec.read_text(encoding="utf-8")) if a.spec else {}
     preset = a.preset or spec.get("preset", "tiny")
     args = {**DEFAULT_ARGS.get(preset, {}), **spec.get("args", {})}
-    args.update({k: v for k, v in vars(a).items()
-                 if k in ("max_steps", "batch_size", "eval_rows", "max_length", "learning_rate") and v is not None})
+    args.update({k: v for k, v in vars(a).items() if k in {n.replace("-", "_") for n in shared} and v is not None})
     if a.random_init:
         args["random_init"] = True
-    spec = SweepSpec(preset=preset, ranks=tuple(a.ranks or spec.get("ranks", ())), args=args,
+    grids = [parse_grid(items) for items in a.grid or []] + ([{"rank": a.ranks}] if a.ranks else [])
+    spec = SweepSpec(preset=preset, grids=grids or spec.get("grids", []), args=args,
                      num_processes=a.num_processes or spec.get("num_processes", 1))
-    return spec, a.out or RUNS_ROOT / "sweeps" / preset
+    return spec, a.out or RUNS_ROOT / "sweeps" / preset, a.jobs
 
 
 def main(argv=None) -> None:
-    spec, out = parse_args(argv)
-    run_sweep(spec, out)
+    spec, out, jobs = parse_args(argv)
+    run_sweep(spec, out, jobs)
     print("\n" + report(out))
     print(f"\nsweep folder: {out}")
 

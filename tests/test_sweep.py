@@ -1,100 +1,228 @@
-"""The rank sweep: declarative spec, one fresh process per rank, finished ranks skipped, failed ones retried,
-trade-off sentences computed from the measured rows."""
+"""The sweep: a declarative spec of grids, checked before anything runs; one fresh process per cell; finished cells
+skipped, failed ones retried; tables and sentences computed from the measured rows."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
 from my_utils import UserError, sweep
+from my_utils.devices import usable_cores
 from my_utils.runs import Run
 
-
-def fake_summary(rank, **over):
-    return {"rank": rank, "runtime_s": 10.0 + rank, "samples_per_s": 50.0 - rank, "peak_memory_bytes": 1000 + rank,
-            "trainable_params": 100 * rank, "adapter_bytes": 400 * rank, "exact_match_before": 0.0,
-            "exact_match_after": 0.1 * rank, "train_loss_final": 1.0 / rank, **over}
+LADDER = {"rank": [2, 16], "alpha": [32], "learning_rate": [2e-3]}
 
 
-def make_rank(out, rank, status="complete"):
-    run = Run.create(sweep.rank_dir(out, rank), config={"rank": rank})
+def make_cell(out, cell, status="complete", **summary):
+    """A results folder like the workflow's for ``cell``: settings as the workflow records them, made-up figures."""
+    run = Run.create(out / sweep.cell_name(cell), config={"seed": 0, **cell})
     run.log_metrics({"step": 1, "loss": 2.0})
-    if status == "complete":
-        run.finish(fake_summary(rank))
-    else:
+    if status != "complete":
         run.fail("boom", status=status)
+        return
+    rank = cell.get("rank", 8)
+    lora = cell.get("method", "lora") == "lora"
+    run.finish({
+        "method": cell.get("method", "lora"), "rank": rank if lora else None,
+        "alpha": cell.get("alpha", 2 * rank) if lora else None, "rslora": cell.get("rslora", False) if lora else None,
+        "targets": cell.get("targets", ["c_attn"]) if lora else None, "learning_rate": cell.get("learning_rate", 2e-3),
+        "steps": 10, "runtime_s": 10.0 + rank, "samples_per_s": 50.0 - rank, "peak_memory_bytes": 1000 + rank,
+        "trainable_params": 100 * rank if lora else 10_000, "adapter_bytes": 400 * rank if lora else None,
+        "eval_loss": 2.0 - rank / 100, "train_loss_final": 1.0 / rank, "exact_match_after": None, **summary,
+    })
 
 
-def test_spec_defaults_and_bad_ranks():
-    assert sweep.SweepSpec(preset="tiny").ranks == sweep.DEFAULT_RANKS["tiny"]
-    assert sweep.SweepSpec(preset="opt-350m").ranks == sweep.REAL_MODEL_RANKS
-    assert sweep.SweepSpec(ranks=(8, 1, 8)).ranks == (1, 8)
-    with pytest.raises(UserError, match="positive integer"):
-        sweep.SweepSpec(ranks=(4, 0))
-    with pytest.raises(UserError, match="sets --rank itself"):
-        sweep.SweepSpec(args={"rank": 4})
-    with pytest.raises(UserError, match="Unknown preset"):
-        sweep.SweepSpec(preset="tiniest")
-
-
-def test_rank_command_is_a_fresh_python_process(tmp_path):
-    spec = sweep.SweepSpec(ranks=(4,), args={"max_steps": 3, "random_init": True, "skip_generation_eval": False})
-    cmd = sweep.rank_command(spec, 4, tmp_path / "rank_4")
+def test_cells_are_the_grids_combinations_each_once():
+    spec = sweep.SweepSpec(args={"max_steps": 5, "seed": 0}, grids=[
+        LADDER,
+        {"rank": [16], "alpha": [32.0], "learning_rate": [0.002, 4e-3]},  # shares rank 16 at 0.002 with LADDER
+        {"method": ["full"], "learning_rate": [4e-4]},
+        {"rank": [4], "rslora": [True, False], "targets": [["c_attn", "c_fc"]]},
+    ])
+    assert [sweep.cell_name(c) for c in spec.cells()] == [
+        "rank2_alpha32_lr0.002", "rank16_alpha32_lr0.002", "rank16_alpha32_lr0.004", "full_lr0.0004",
+        "rank4_rslora_c_attn+c_fc", "rank4_c_attn+c_fc"]
+    assert spec.cells()[0] == {"rank": 2, "alpha": 32.0, "learning_rate": 0.002}, "values as the workflow reads them"
+    cmd = sweep.cell_command(spec, spec.cells()[4], sweep.Path("out"))
     assert cmd[1:3] == ["-m", "my_utils.workflows.lora"]
-    assert cmd[cmd.index("--rank") + 1] == "4" and cmd[cmd.index("--max-steps") + 1] == "3"
-    assert "--random-init" in cmd and "--skip-generation-eval" not in cmd
+    # every value passes through, 0 included (--seed 0 was dropped, and --max-steps 0 ran the default 250 steps)
+    assert cmd[cmd.index("--seed") + 1] == "0" and cmd[cmd.index("--max-steps") + 1] == "5"
+    assert "--rslora" in cmd and cmd[cmd.index("--targets") + 1:cmd.index("--targets") + 3] == ["c_attn", "c_fc"]
+    assert "--rslora" not in sweep.cell_command(spec, spec.cells()[5], sweep.Path("out")), "False: the default"
 
 
-def test_complete_ranks_are_skipped_and_failed_ones_rerun(tmp_path, monkeypatch):
+def test_defaults_and_the_command_line_grid():
+    assert sweep.SweepSpec(preset="tiny").grids == [{"rank": [1, 4, 16, 64], "alpha": [32.0]}]
+    assert sweep.SweepSpec(preset="opt-350m").grids == [{"rank": [8, 128, 256], "alpha": [16.0]}]
+    assert sweep.parse_grid(["rank=4,16", "targets=c_attn,c_attn+c_fc", "rslora=true", "learning-rate=1e-3"]) == {
+        "rank": [4, 16], "targets": ["c_attn", ["c_attn", "c_fc"]], "rslora": [True], "learning_rate": [0.001]}
+    spec, out, jobs = sweep.parse_args(["--ranks", "8", "128", "--grid", "rank=4", "alpha=32", "--jobs", "2",
+                                        "--max-steps", "7", "--out", "somewhere"])
+    assert spec.grids == [{"rank": [4], "alpha": [32.0]}, {"rank": [8, 128]}] and spec.args["max_steps"] == 7
+    assert (str(out), jobs) == ("somewhere", 2)
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"grids": [{"rank": [8, 8]}]}, "gives rank 8 twice"),
+    ({"grids": [{"learning_rate": [1e-3, 0.001]}]}, "gives learning_rate 0.001 twice"),
+    ({"grids": [{"rank": [4, 0]}]}, "rank must be a positive integer"),
+    ({"args": {"max_steps": 0}}, "--max-steps must be a positive integer, got 0"),
+    ({"args": {"max_steps": "many"}}, "invalid int value"),
+    ({"grids": [{"alpha": [-1]}]}, "alpha must be a positive number"),
+    ({"grids": [{"rank": []}]}, "non-empty list"),
+    ({"grids": [{"rank": 4}]}, "non-empty list"),
+    ({"grids": [{"ranks": [4]}]}, "no option --ranks"),
+    ({"grids": [{"rslora": ["yes"]}]}, "--rslora is a switch"),
+    ({"grids": [{"targets": [["c_atn"]]}]}, "'c_atn' matches nothing"),
+    ({"grids": [{"lr_scheduler": ["sometimes"]}]}, "invalid choice"),
+    ({"args": {"rank": 4}, "grids": [{"rank": [8]}]}, "both a grid option and a shared arg"),
+    ({"args": {"output_dir": "x"}}, "sets --output-dir itself"),
+    ({"preset": "tiniest"}, "Unknown preset"),
+])
+def test_bad_input_is_one_sentence(spec, message):
+    with pytest.raises(UserError, match=message):
+        sweep.SweepSpec(**spec)
+
+
+def test_bad_input_on_the_command_line_writes_nothing(tmp_path, subprocess_env):
     out = tmp_path / "sweep"
-    make_rank(out, 1)
-    make_rank(out, 2, status="failed")
-    ran = []
+    result = subprocess.run([sys.executable, "-m", "my_utils.sweep", "--max-steps", "0", "--out", str(out)],
+                            env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "sweep: error: --max-steps must be a positive integer, got 0."
+    assert not out.exists(), "nothing written: no sweep.json, no cell folder"
+    with pytest.raises(UserError, match="twice"):
+        sweep.parse_args(["--ranks", "8", "8", "--out", str(out)])
+    with pytest.raises(UserError, match="OPTION=VALUE"):
+        sweep.parse_grid(["rank"])
 
-    def fake_run_command(cmd, env=None, echo=True):  # trains nothing: writes a complete folder like the workflow
-        rank = int(cmd[cmd.index("--rank") + 1])
-        ran.append(rank)
-        make_rank(out, rank)
 
-    import my_utils.launch
+class Finished:
+    """What ``_start`` returns, for a cell that the fake workflow has already finished."""
 
-    monkeypatch.setattr(my_utils.launch, "run_command", fake_run_command)
-    rows = sweep.run_sweep(sweep.SweepSpec(ranks=(1, 2, 4)), out)
-    assert ran == [2, 4]
-    assert [r["rank"] for r in rows] == [1, 2, 4]
-    assert (out / "rank_2.failed").is_dir(), "the failed attempt is kept aside"
-    assert json.loads((out / "sweep.json").read_text())["ranks"] == [1, 2, 4]
+    def __init__(self, returncode):
+        self.returncode = returncode
+
+    def poll(self):
+        return self.returncode
+
+
+def test_complete_cells_are_skipped_and_failed_ones_rerun(tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    spec = sweep.SweepSpec(grids=[{"rank": [2, 4, 16], "alpha": [32]}])
+    first, second, third = spec.cells()
+    make_cell(out, first)
+    make_cell(out, second, status="failed")
+    ran, fail, jobs, steady = [], set(), 2, True
+
+    def fake_start(cmd, env, log):  # trains nothing: writes a folder like the workflow's
+        name = sweep.Path(cmd[cmd.index("--output-dir") + 1]).name
+        cell = next(c for c in [*spec.cells(), *more.cells()] if sweep.cell_name(c) == name)
+        ran.append(name)
+        assert (env.get("MALLOC_MMAP_THRESHOLD_") == sweep.STEADY_MEMORY_ENV["MALLOC_MMAP_THRESHOLD_"]) == steady
+        threads = str(usable_cores() // 2) if jobs == 2 else os.environ.get("OMP_NUM_THREADS")
+        assert env.get("OMP_NUM_THREADS") == threads, "cells side by side share the cores"
+        make_cell(out, cell, status="failed" if name in fail else "complete")
+        return Finished(1 if name in fail else 0)
+
+    more = sweep.SweepSpec(grids=[{"rank": [2, 32, 64], "alpha": [32]}])
+    monkeypatch.setattr(sweep, "_start", fake_start)
+    rows = sweep.run_sweep(spec, out, jobs=2)
+    assert ran == ["rank4_alpha32", "rank16_alpha32"]
+    assert [r["rank"] for r in rows] == [2, 4, 16]
+    assert (out / "rank4_alpha32.failed").is_dir(), "the failed attempt is kept aside"
+    assert (out / "rank4_alpha32" / "output.log").is_file(), "each cell's output is kept in its folder"
+    assert json.loads((out / "sweep.json").read_text())["cells"] == spec.cells()
     ran.clear()
-    sweep.run_sweep(sweep.SweepSpec(ranks=(1, 2, 4)), out)
-    assert ran == []
+    assert [r["pid"] for r in sweep.run_sweep(spec, out)] == [r["pid"] for r in rows] and ran == []
+    jobs, steady = 1, False
+    with pytest.raises(UserError, match="--jobs must be a positive integer"):
+        sweep.run_sweep(spec, out, jobs=0)
+
+    fail.add("rank32_alpha32")
+    with pytest.raises(RuntimeError, match=r"1 cell\(s\) failed: rank32_alpha32 \(exit code 1"):
+        sweep.run_sweep(more, out, jobs=1, steady_memory=False)
+    assert ran == ["rank32_alpha32", "rank64_alpha32"], "a failed cell does not stop the others"
+    assert [sweep.cell_name(c) for c in json.loads((out / "sweep.json").read_text())["cells"]] == [
+        "rank2_alpha32", "rank4_alpha32", "rank16_alpha32", "rank32_alpha32", "rank64_alpha32"]
     with pytest.raises(UserError, match="was run with another args"):
-        sweep.run_sweep(sweep.SweepSpec(ranks=(1,), args={"max_steps": 99}), out)
+        sweep.run_sweep(sweep.SweepSpec(grids=[LADDER], args={"max_steps": 99}), out)
 
 
-def test_tradeoff_sentences_come_from_the_rows(tmp_path):
-    for rank in (1, 4):
-        make_rank(tmp_path, rank)
-    rows = sweep.load_sweep(tmp_path)
-    sentences = sweep.tradeoffs(rows)
-    assert sentences[0].startswith("rank 4 trains 4.0x more parameters than rank 1 (400 vs 100) for +0.30 exact match")
-    assert sentences[-1] == "Best exact match: rank 4 (0.40); no smaller rank comes within 0.02 of it."
-    text = sweep.report(tmp_path)
-    assert (tmp_path / "loss_curves.png").is_file() and (tmp_path / "rank_tradeoffs.png").is_file()
-    assert "rank 4 trains" in text and (tmp_path / "report.md").read_text().strip() == text
+def test_the_analyses_come_from_the_rows(tmp_path):
+    out = tmp_path / "sweep"
+    rates = {"rank": [2], "alpha": [32], "learning_rate": [1e-3, 2e-3, 4e-3, 8e-3]}
+    spec = sweep.SweepSpec(grids=[LADDER, rates, {"rank": [2], "alpha": [4], "learning_rate": [2e-3]},
+                                  {"method": ["full"], "learning_rate": [1e-4, 2e-4, 4e-4]},
+                                  {"rank": [4], "alpha": [32], "targets": [["c_attn", "c_fc"]],
+                                   "learning_rate": [2e-3]}])
+    # held-out losses: rank x rate symmetric around 4e-3 on a log scale; full fine-tuning lowest at 2e-4
+    losses = {"rank2_alpha32_lr0.001": 2.3, "rank2_alpha32_lr0.002": 1.9, "rank2_alpha32_lr0.004": 1.5,
+              "rank2_alpha32_lr0.008": 1.9, "rank16_alpha32_lr0.002": 1.6, "rank2_alpha4_lr0.002": 2.9,
+              "full_lr0.0001": 0.7, "full_lr0.0002": 0.5, "full_lr0.0004": 0.9,
+              "rank4_alpha32_c_attn+c_fc_lr0.002": 1.0}
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"cells": spec.cells()}))
+    for cell in spec.cells():
+        make_cell(out, cell, eval_loss=losses[sweep.cell_name(cell)],
+                  **({"trainable_params": 1600} if "targets" in cell else {}))
+    rows = sweep.load_sweep(out)
+
+    ladder = sweep.select(rows, learning_rate=2e-3, alpha=32, targets=["c_attn"])
+    assert [r["rank"] for r in ladder] == [2, 16] and sweep.rank_ladder(rows) == ladder
+    sentences = sweep.tradeoffs(ladder, noise=0.05)
+    assert sentences[0] == ("rank 16 trains 8.0x more parameters than rank 2 (1,600 vs 200) for a held-out loss of "
+                            "1.600 against 1.900.")
+    assert sentences[-1] == "Lowest held-out loss: rank 16 (1.600); no smaller rank comes within 0.05 of it."
+
+    # at rank 16 the three rules give one scale, 2: one run on every line
+    lines = sweep.scaling_lines(sweep.select(rows, learning_rate=2e-3, targets=["c_attn"]), sweep.scaling_rules(32, 8))
+    assert {label: [r["name"] for r in line] for label, line in lines.items()} == {
+        "alpha 32 (scale 32/r)": ["rank2_alpha32_lr0.002", "rank16_alpha32_lr0.002"],
+        "rsLoRA, alpha 8 (scale 8/sqrt(r))": ["rank16_alpha32_lr0.002"],
+        "alpha = 2r (scale 2)": ["rank2_alpha4_lr0.002", "rank16_alpha32_lr0.002"]}
+    findings = sweep.scaling_findings(lines)
+    assert findings[1].startswith("alpha = 2r (scale 2): rank 2 ends at held-out loss 2.900 and rank 16 at 1.600 "
+                                  "(1.300 lower at the larger rank)")
+    assert "4.3x larger with alpha = 2r (scale 2) than with alpha 32 (scale 32/r)" in findings[-1]
+
+    lora_and_full = sweep.select(rows, alpha=32, targets=["c_attn"]) + sweep.select(rows, method="full")
+    curves = sweep.learning_rate_curves(lora_and_full)
+    assert list(curves) == ["rank 2", "full fine-tuning"]
+    rate, best, inside = sweep.best_rate(curves["rank 2"])
+    assert rate == pytest.approx(4e-3) and inside, "a symmetric minimum: the parabola's vertex is the best rate"
+    rate, best, inside = sweep.best_rate(curves["full fine-tuning"])
+    assert 1e-4 < rate < 2e-4 and best["learning_rate"] == 2e-4, "pulled towards the lower neighbour"
+    assert sweep.best_rate(curves["rank 2"][:3])[2] is False, "the lowest loss at an end of the rates is no optimum"
+    text = sweep.learning_rate_findings(curves)
+    assert text[-1].startswith("LoRA's best rate is 22.4x to 22.4x full fine-tuning's") and text[-1].endswith(
+        "this one is larger.")
+
+    assert sweep.targets_findings(rows)[0] == (
+        "At 1,600 trainable parameters and lr 0.002: c_attn+c_fc at rank 4 reaches held-out loss 1.000; c_attn at "
+        "rank 16 reaches held-out loss 1.600.")
+    report = sweep.report(out)
+    assert (out / "rank_costs.png").is_file() and (out / "learning_rates.png").is_file()
+    assert "rank 16 trains" in report and (out / "report.md").read_text().strip() == report
 
 
 @pytest.mark.slow
-def test_each_rank_trains_in_its_own_process(tmp_path, subprocess_env, monkeypatch):
+def test_each_cell_trains_in_its_own_process(tmp_path, subprocess_env, monkeypatch):
     for key in ("PYTHONPATH", "OMP_NUM_THREADS", "HF_HOME"):
         monkeypatch.setenv(key, subprocess_env[key])
-    spec = sweep.SweepSpec(ranks=(1, 8), args={"max_steps": 2, "eval_rows": 4, "logging_steps": 1})
-    rows = sweep.run_sweep(spec, tmp_path / "sweep")
-    assert [r["rank"] for r in rows] == [1, 8]
+    spec = sweep.SweepSpec(grids=[{"rank": [1, 8], "alpha": [16]}],
+                           args={"max_steps": 2, "eval_rows": 4, "logging_steps": 1, "skip_generation_eval": True,
+                                 "mixed_precision": "no"})
+    rows = sweep.run_sweep(spec, tmp_path / "sweep", jobs=2, steady_memory=False)
+    assert [r["rank"] for r in rows] == [1, 8] and all(r["alpha"] == 16 for r in rows)
     pids = [r["pid"] for r in rows]
     assert len(set(pids)) == 2 and os.getpid() not in pids
-    assert all(r["ppid"] == os.getpid() for r in rows), "started by this process, one at a time"
+    assert all(r["ppid"] == os.getpid() for r in rows), "started by this process"
     assert rows[1]["trainable_params"] == 8 * rows[0]["trainable_params"]
     assert rows[1]["adapter_bytes"] > rows[0]["adapter_bytes"]
     assert all([step for step, _ in r["loss_curve"]] == [1, 2] for r in rows), "the loss curve comes from metrics.jsonl"
+    assert all(r["eval_loss"] is not None for r in rows)
     again = sweep.run_sweep(spec, tmp_path / "sweep")
     assert [r["pid"] for r in again] == pids, "a second run re-trains nothing"
