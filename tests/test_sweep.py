@@ -88,8 +88,9 @@ def test_bad_input_is_one_sentence(spec, message):
 
 def test_bad_input_on_the_command_line_writes_nothing(tmp_path, subprocess_env):
     out = tmp_path / "sweep"
-    result = subprocess.run([sys.executable, "-m", "my_utils.sweep", "--max-steps", "0", "--out", str(out)],
-                            env=subprocess_env, capture_output=True, text=True, timeout=120)
+    # one small cell, should the check ever let it through (--max-steps 0 once ran the default 250 steps)
+    result = subprocess.run([sys.executable, "-m", "my_utils.sweep", "--ranks", "1", "--max-steps", "0", "--eval-rows",
+                             "4", "--out", str(out)], env=subprocess_env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "sweep: error: --max-steps must be a positive integer, got 0."
     assert not out.exists(), "nothing written: no sweep.json, no cell folder"
