@@ -5,7 +5,7 @@
 
 Both configurations run the DDP lesson's workflow (``my_utils.workflows.ddp``) under ``torchrun`` in fresh
 processes, one intra-op thread per process, alternating ``--repeats`` times so that a load change on the machine
-hits both (``my_utils.bench.process_scaling``, which ``python -m my_utils bench ddp`` uses for the LoRA workflow).
+hits both (``my_utils.tools.bench.process_scaling``, which ``python -m my_utils bench ddp`` uses for the LoRA workflow).
 The results folder ``runs/bench/ddp_scaling[_n]/`` holds run.json, summary.json (samples/s of every run, the
 medians and their ratio, the machine's load average before and after) and each run's own results folder and log.
 The ratio printed last is median samples/s with 2 processes / median with 1. On two idle cores it should reach
@@ -27,9 +27,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from my_utils.bench import process_scaling  # noqa: E402
-from my_utils.launch import clean_env  # noqa: E402
-from my_utils.runs import RUNS_ROOT, Run, read_json, unique_dir  # noqa: E402
+from my_utils.run.launch import clean_env  # noqa: E402
+from my_utils.run.results import RUNS_ROOT, Run, read_json, unique_dir  # noqa: E402
+from my_utils.tools.bench import process_scaling  # noqa: E402
 
 TARGET = 1.7
 

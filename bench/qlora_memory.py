@@ -26,9 +26,8 @@ import gc
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from my_utils.runs import RUNS_ROOT
+from my_utils.run.results import RUNS_ROOT
 
 TARGETS = {"weights_4bit_over_bf16": 0.35, "lora_state_over_full_state": 0.01}
 
@@ -38,7 +37,7 @@ def one_step(model, batch) -> dict:
     and the activations kept for backward."""
     import torch
 
-    from my_utils.callbacks import SavedActivations, gradient_bytes, optimizer_state_bytes, tensor_bytes
+    from my_utils.run.callbacks import SavedActivations, gradient_bytes, optimizer_state_bytes, tensor_bytes
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
@@ -77,9 +76,9 @@ def measure(preset_name: str, rank: int, seq_len: int = 32, batch_size: int = 2,
     from transformers import AutoModelForCausalLM
     from transformers.utils.logging import disable_progress_bar
 
-    from my_utils.callbacks import model_weight_bytes
-    from my_utils.models import add_lora, build_causal_lm, quantization_config, set_threads
-    from my_utils.presets import get_preset
+    from my_utils.core.models import add_lora, build_causal_lm, quantization_config, set_threads
+    from my_utils.core.presets import get_preset
+    from my_utils.run.callbacks import model_weight_bytes
 
     preset = get_preset(preset_name)
     set_threads()
@@ -155,8 +154,8 @@ def _with_ratios(results: dict, started: float) -> dict:
 
 
 def report(r: dict) -> str:
-    from my_utils.compare import text_table
-    from my_utils.memory import format_bytes
+    from my_utils.core.memory import format_bytes
+    from my_utils.tools.compare import text_table
 
     weights = [[name, format_bytes(r[key]), format_bytes(r.get(f"{key}_predicted")) if r.get(f"{key}_predicted") else "-",
                 f"{r[key] / r['weights_bf16']:.3f}"]
@@ -178,7 +177,7 @@ def report(r: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from my_utils.runs import Run, check_new_run_dir, unique_dir
+    from my_utils.run.results import Run, check_new_run_dir, unique_dir
 
     p = argparse.ArgumentParser(prog="python bench/qlora_memory.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,7 +187,7 @@ def main(argv=None) -> None:
                    "runs/bench/qlora_memory/")
     p.add_argument("--weights-only", action="store_true", help="measure the weights only, not the training steps")
     args = p.parse_args(argv)
-    from my_utils.models import check_lora_args
+    from my_utils.core.models import check_lora_args
 
     check_lora_args(args.rank)
     out = check_new_run_dir(args.output_dir) if args.output_dir else unique_dir(
@@ -207,6 +206,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     run_main(main, prefix="qlora_memory")

@@ -3,8 +3,8 @@
 Importing this package is cheap and side-effect free: it imports no torch-heavy training libraries
 (peft, trl, bitsandbytes, ``transformers.Trainer``) and never touches CUDA. Import the submodules you need::
 
-    from my_utils.printing import print0, rank_print
-    from my_utils.runs import create_run
+    from my_utils.core.printing import print0, rank_print
+    from my_utils.run.results import create_run
 """
 
 __version__ = "0.1.0"

@@ -14,12 +14,12 @@ import sys
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     commands = {
-        "demo": ("run every notebook on the tiny preset into a new results folder", "my_utils.demo"),
-        "compare": ("tables and plots from results folders", "my_utils.compare"),
-        "plan": ("predict a training run's peak memory per device, and whether it fits", "my_utils.planner"),
-        "env": ("devices, versions and the accelerate config in use", "my_utils.env"),
-        "sweep": ("a LoRA rank sweep, one fresh process per rank; finished ranks are skipped", "my_utils.sweep"),
-        "bench": ("benchmarks of the course's defaults against the usual alternatives, as ratios", "my_utils.bench"),
+        "demo": ("run every notebook on the tiny preset into a new results folder", "my_utils.tools.demo"),
+        "compare": ("tables and plots from results folders", "my_utils.tools.compare"),
+        "plan": ("predict a training run's peak memory per device, and whether it fits", "my_utils.tools.planner"),
+        "env": ("devices, versions and the accelerate config in use", "my_utils.tools.env"),
+        "sweep": ("a LoRA rank sweep, one fresh process per rank; finished ranks are skipped", "my_utils.tools.sweep"),
+        "bench": ("benchmarks of the course's defaults against the usual alternatives, as ratios", "my_utils.tools.bench"),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         parser = argparse.ArgumentParser(prog="python -m my_utils",
@@ -30,7 +30,7 @@ def main(argv=None) -> None:
         parser.parse_args(argv[:1])
     from importlib import import_module
 
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     module = import_module(commands[argv[0]][1])
     run_main(lambda: module.main(argv[1:]), prefix=f"my_utils {argv[0]}")

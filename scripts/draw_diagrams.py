@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from my_utils.plots import new_figure, save  # noqa: E402
+from my_utils.core.plots import new_figure, save  # noqa: E402
 
 OUT = ROOT / "assets" / "diagrams"
 FROZEN, TRAINABLE, DATA, COMM, IDLE = "#c9ced6", "#f4a259", "#8cb8e0", "#9bc995", "#ffffff"

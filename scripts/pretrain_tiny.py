@@ -1,7 +1,7 @@
 """Pretrain the two tiny models of the ``tiny`` preset on CPU, from scratch, in a few minutes.
 
 * ``assets/tiny/causal_lm/``: a 4-layer GPT-2 (``GPT2LMHeadModel``) trained with next-token prediction on the rows
-  of ``pretrain.jsonl``, each formatted with ``my_utils.data.format_example(row, eos_token)``. It never sees the
+  of ``pretrain.jsonl``, each formatted with ``my_utils.core.data.format_example(row, eos_token)``. It never sees the
   held-out families of ``instructions_*.jsonl``; the fine-tuning lessons teach it those.
 * ``assets/tiny/encoder/``: a small RoBERTa trained on the same instruction text plus the classification training
   sentences (never their labels) with two objectives: masked-language modelling, and a bag of words at ``<s>``: the
@@ -41,7 +41,12 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, RobertaConf
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from my_utils.data import CLASSIFICATION_COLUMNS, INSTRUCTION_COLUMNS, format_example, read_jsonl  # noqa: E402
+from my_utils.core.data import (  # noqa: E402
+    CLASSIFICATION_COLUMNS,
+    INSTRUCTION_COLUMNS,
+    format_example,
+    read_jsonl,
+)
 
 TINY = ROOT / "assets" / "tiny"
 SEED = 0

@@ -23,7 +23,12 @@ from transformers import PreTrainedTokenizerFast
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from my_utils.data import CLASSIFICATION_COLUMNS, INSTRUCTION_COLUMNS, format_example, read_jsonl  # noqa: E402
+from my_utils.core.data import (  # noqa: E402
+    CLASSIFICATION_COLUMNS,
+    INSTRUCTION_COLUMNS,
+    format_example,
+    read_jsonl,
+)
 
 DEFAULT_DATA = ROOT / "assets" / "tiny" / "data"
 DEFAULT_OUT = ROOT / "assets" / "tiny" / "tokenizer"

@@ -20,9 +20,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from my_utils.bench import BENCHMARKS, render_table  # noqa: E402
-from my_utils.compare import overview  # noqa: E402
-from my_utils.runs import CLAIMS_FILE, read_json  # noqa: E402
+from my_utils.run.results import CLAIMS_FILE, read_json  # noqa: E402
+from my_utils.tools.bench import BENCHMARKS, render_table  # noqa: E402
+from my_utils.tools.compare import overview  # noqa: E402
 
 REFERENCE = REPO_ROOT / "runs" / "reference"
 DEMO_REFERENCE = REFERENCE / "cpu_x2"  # the reference `make demo` run

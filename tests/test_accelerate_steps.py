@@ -9,8 +9,7 @@ from importlib import import_module
 
 import pytest
 
-from my_utils.workflows.accelerate_steps import (STEPS, marker_tag, step_code, step_diff, step_names,
-                                                 unmarked_changes)
+from my_utils.workflows.accelerate_steps import STEPS, marker_tag, step_code, step_diff, step_names, unmarked_changes
 
 PACKAGE = "my_utils.workflows.accelerate_steps"
 PAIRS = [(before, after, tag) for (before, _), (after, tag) in zip(STEPS, STEPS[1:])]
@@ -56,7 +55,7 @@ def test_bad_options_are_one_sentence(tmp_path):
 
 
 def _launch(module, args, env, num_processes=2):
-    from my_utils.launch import accelerate_command
+    from my_utils.run.launch import accelerate_command
 
     cmd = accelerate_command(module, args, num_processes=num_processes)
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

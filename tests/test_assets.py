@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from my_utils.data import CLASSIFICATION_COLUMNS, INSTRUCTION_COLUMNS, format_example, format_prompt, read_jsonl
+from my_utils.core.data import CLASSIFICATION_COLUMNS, INSTRUCTION_COLUMNS, format_example, format_prompt, read_jsonl
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY = REPO_ROOT / "assets" / "tiny"

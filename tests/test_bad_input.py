@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from my_utils import UserError, launch
-from my_utils.env import accelerate_default_config
-from my_utils.launch import REPO_ROOT
-from my_utils.runs import REDACTED, Run
+from my_utils import UserError
+from my_utils.run import launch
+from my_utils.run.launch import REPO_ROOT
+from my_utils.run.results import REDACTED, Run
+from my_utils.tools.env import accelerate_default_config
 from my_utils.workflows import lora
 
 TINY_TRAIN = REPO_ROOT / "assets" / "tiny" / "data" / "instructions_train.jsonl"
@@ -218,7 +219,7 @@ def test_resume_of_a_folder_that_is_not_there(tmp_path):
 
 
 def test_resume_may_change_how_it_runs(tmp_path):
-    from my_utils.training import write_checkpoint_manifest
+    from my_utils.run.checkpoints import write_checkpoint_manifest
 
     folder = _finished_run(tmp_path / "run", "failed")
     checkpoint = folder / lora.CHECKPOINTS / "checkpoint-2"
@@ -284,8 +285,8 @@ def test_secrets_never_reach_run_json(tmp_path, monkeypatch):
 def test_remote_code_is_off_unless_asked_for(monkeypatch):
     import transformers
 
-    from my_utils.models import build_causal_lm, load_tokenizer
-    from my_utils.presets import get_preset
+    from my_utils.core.models import build_causal_lm, load_tokenizer
+    from my_utils.core.presets import get_preset
 
     seen = []
 
@@ -327,7 +328,7 @@ def test_every_torch_load_is_restricted_to_tensors():
 
 
 def test_the_secret_redactor_leaves_ordinary_words_and_file_names_alone():
-    from my_utils.runs import redact_secrets
+    from my_utils.run.results import redact_secrets
 
     names = ["runs/task-classification-eval-rows-1234567/rows.jsonl", "/mnt/disk-0123456789abcdefghij/data.jsonl",
              "ask-the-model-what-it-learned-today.txt", "flask-app-configuration-production"]

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from my_utils import UserError, bench
-from my_utils.launch import REPO_ROOT
+from my_utils import UserError
+from my_utils.tools import bench
+from my_utils.run.launch import REPO_ROOT
 
 
 def test_names_and_quick_settings():
@@ -34,7 +35,7 @@ def test_bad_input_is_one_sentence(argv, message):
 
 
 def test_precision_follows_the_devices_native_bf16(monkeypatch):
-    from my_utils import devices
+    from my_utils.core import devices
 
     monkeypatch.setattr(devices, "native_bf16", lambda: False)
     assert not bench.parse_args([])[1].bf16
@@ -57,9 +58,9 @@ def test_model_flops_count_lora_backward_without_base_weight_gradients(subproces
     # In a fresh process: building a LoRA model imports peft, which must stay out of the test process.
     code = (
         "import json\n"
-        "from my_utils.bench import model_flops_per_token\n"
-        "from my_utils.models import add_lora, build_causal_lm\n"
-        "from my_utils.presets import get_preset\n"
+        "from my_utils.tools.bench import model_flops_per_token\n"
+        "from my_utils.core.models import add_lora, build_causal_lm\n"
+        "from my_utils.core.presets import get_preset\n"
         "p = get_preset('tiny')\n"
         "full = model_flops_per_token(build_causal_lm(p, random_init=True), 64, 'full')\n"
         "lora = model_flops_per_token(add_lora(build_causal_lm(p, random_init=True), 8, targets=p.lora_targets), "
@@ -71,8 +72,8 @@ def test_model_flops_count_lora_backward_without_base_weight_gradients(subproces
     assert out.returncode == 0, out.stderr[-2000:]
     flops = json.loads(out.stdout.strip().splitlines()[-1])
 
-    from my_utils.planner import architecture, lora_parameters
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
+    from my_utils.tools.planner import architecture, lora_parameters
 
     arch = architecture("tiny")
     n = sum(d_in * d_out for d_in, d_out, _ in arch.linears.values())  # every linear layer, the output layer too

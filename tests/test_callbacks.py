@@ -6,10 +6,10 @@ import textwrap
 import pytest
 import torch
 
-from my_utils.callbacks import (SavedActivations, TokenCounter, gather_to_rank0, gradient_bytes, make_callbacks, memory_breakdown,
-                                optimizer_state_bytes)
-from my_utils.launch import free_port
-from my_utils.memory import MiB
+from my_utils.core.memory import MiB
+from my_utils.run.callbacks import (SavedActivations, TokenCounter, gather_to_rank0, gradient_bytes, make_callbacks,
+                                    memory_breakdown, optimizer_state_bytes)
+from my_utils.run.launch import free_port
 
 
 class CharTokenizer:
@@ -103,7 +103,7 @@ def test_memory_callback_in_one_process():
 WORKER = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist
-    from my_utils.callbacks import make_callbacks
+    from my_utils.run.callbacks import make_callbacks
 
     dist.init_process_group("gloo")
     assert dist.get_world_size() == 2, dist.get_world_size()

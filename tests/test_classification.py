@@ -4,9 +4,9 @@ arithmetic; and the comparison table, built from results folders only."""
 import pytest
 
 from my_utils import UserError
-from my_utils.classification_table import classification_runs, classification_table
-from my_utils.runs import Run
+from my_utils.run.results import Run
 from my_utils.workflows.classification import Config, global_batches, validate
+from my_utils.workflows.classification_table import classification_runs, classification_table
 
 
 def test_global_batches_are_the_same_for_every_mode_and_cover_epochs():
@@ -61,8 +61,8 @@ def test_table_is_built_from_complete_classification_folders_only(tmp_path):
 def test_one_device_ddp_and_pipeline_do_the_same_arithmetic(tmp_path, subprocess_env):
     import sys
 
-    from my_utils.launch import accelerate_command, run_command
-    from my_utils.runs import load_run
+    from my_utils.run.launch import accelerate_command, run_command
+    from my_utils.run.results import load_run
 
     args = ["--preset", "tiny", "--method", "lora", "--max-steps", 4, "--eval-every", 2, "--eval-rows", 32,
             "--batch-size", 8]
@@ -89,7 +89,7 @@ def test_one_device_ddp_and_pipeline_do_the_same_arithmetic(tmp_path, subprocess
     table = classification_table(tmp_path)
     assert all(p in table for p in ("none", "ddp", "pipeline"))
     # the general comparison shows accuracy before -> after, as it shows exact match for the LoRA lessons
-    from my_utils.compare import overview
+    from my_utils.tools.compare import overview
 
     after = f"{one['eval_curve'][0][1]:.2f} -> {one['eval_curve'][-1][1]:.2f}"
     assert any(line.startswith("none") and after in line for line in overview(tmp_path, root=tmp_path).splitlines())

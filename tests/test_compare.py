@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from my_utils import UserError, compare
-from my_utils.runs import Run
+from my_utils import UserError
+from my_utils.tools import compare
+from my_utils.run.results import Run
 
 CPU = [{"kind": "cpu", "index": None, "name": "Test CPU", "cores": 2, "total_memory": 8 << 30}]
 

@@ -4,7 +4,7 @@
   accumulating 2 batches of b;
 - two machines simulated on localhost (two torchrun launches, one process each) form one world, each process
   placing the model on its local rank's device;
-- notebook_launcher (my_utils.launch.launch), `accelerate launch` and `torchrun` each start workers that see the
+- notebook_launcher (my_utils.run.launch.launch), `accelerate launch` and `torchrun` each start workers that see the
   world size asked for (every worker writes what it sees into the results folder).
 """
 
@@ -60,7 +60,7 @@ def test_ddp_equals_one_process_with_the_global_batch(tmp_path, subprocess_env):
     assert [w["world_size"] for w in _workers(big)] == [1]
     from safetensors.torch import load_file
 
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
 
     trained = _weights(big)
     start = load_file(f"{get_preset('tiny').causal_model}/model.safetensors")
@@ -74,8 +74,8 @@ def test_ddp_equals_one_process_with_the_global_batch(tmp_path, subprocess_env):
 
 @pytest.mark.slow
 def test_two_machines_on_localhost(tmp_path, subprocess_env):
-    from my_utils.devices import per_rank_device
-    from my_utils.launch import free_port
+    from my_utils.core.devices import per_rank_device
+    from my_utils.run.launch import free_port
 
     port = free_port(0)
     run_dir = tmp_path / "two_nodes"
@@ -100,7 +100,7 @@ def test_two_machines_on_localhost(tmp_path, subprocess_env):
 
 def _notebook_launcher(module, args_dir):
     code = textwrap.dedent(f"""
-        from my_utils.launch import launch
+        from my_utils.run.launch import launch
         from {module} import Config, train
         launch(train, Config(preset="tiny", max_length=32, batch_size=2, max_steps=2,
                              output_dir={str(args_dir)!r}, num_processes=2), num_processes=2)
@@ -119,9 +119,9 @@ LAUNCHES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher, module", LAUNCHES, ids=[f"{l}-{m.rsplit('.', 1)[1]}" for l, m in LAUNCHES])
+@pytest.mark.parametrize("launcher, module", LAUNCHES, ids=[f"{launcher}-{m.rsplit('.', 1)[1]}" for launcher, m in LAUNCHES])
 def test_every_worker_sees_the_world_size_asked_for(launcher, module, tmp_path, subprocess_env):
-    from my_utils.launch import accelerate_command
+    from my_utils.run.launch import accelerate_command
 
     run_dir = tmp_path / "run"
     args = [*TINY, "--batch-size", "2", "--max-steps", "2", "--output-dir", run_dir]
@@ -141,7 +141,7 @@ def test_every_worker_sees_the_world_size_asked_for(launcher, module, tmp_path, 
 
 @pytest.mark.slow
 def test_data_parallel_runs_in_one_process_and_refuses_several(tmp_path, subprocess_env):
-    from my_utils.launch import accelerate_command
+    from my_utils.run.launch import accelerate_command
 
     one = tmp_path / "one"
     _run([sys.executable, "-m", "my_utils.workflows.data_parallel", *TINY, "--batch-size", "4", "--max-steps", "3",

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from my_utils import UserError, env
+from my_utils import UserError
+from my_utils.tools import env
 
 
 def test_tables_show_devices_versions_and_config(capsys, monkeypatch):

@@ -1,6 +1,6 @@
 import pytest
 
-from my_utils.evaluation import SIMILARITY_SCORER, chrf, score_answers
+from my_utils.core.evaluation import SIMILARITY_SCORER, chrf, score_answers
 
 
 def test_chrf_identical_disjoint_and_partial():
@@ -43,10 +43,10 @@ def test_held_out_loss_is_what_the_trainer_reports(tmp_path):
     wrapping the model) is the figure evaluate() reports after training: batch by batch, uneven last batch too."""
     from transformers import Trainer, TrainingArguments
 
-    from my_utils.data import load_instructions, padding_collator, tokenize_instructions
-    from my_utils.evaluation import held_out_loss
-    from my_utils.models import build_causal_lm, load_tokenizer
-    from my_utils.presets import get_preset
+    from my_utils.core.data import load_instructions, padding_collator, tokenize_instructions
+    from my_utils.core.evaluation import held_out_loss
+    from my_utils.core.models import build_causal_lm, load_tokenizer
+    from my_utils.core.presets import get_preset
 
     preset = get_preset("tiny")
     tokenizer, model = load_tokenizer(preset), build_causal_lm(preset)

@@ -12,7 +12,7 @@ FORBIDDEN = ("peft", "trl", "bitsandbytes", "transformers.trainer", "datasets")
 
 
 def test_every_module_is_listed():
-    assert {"my_utils.printing", "my_utils.runs", "my_utils.workflows.lora", "my_utils.launch"} <= set(MODULES)
+    assert {"my_utils.core.printing", "my_utils.run.results", "my_utils.workflows.lora", "my_utils.run.launch"} <= set(MODULES)
 
 
 def test_importing_helpers_imports_nothing_heavy(subprocess_env):

@@ -2,8 +2,9 @@ import sys
 
 import pytest
 
-from my_utils import UserError, launch
-from my_utils.devices import check_device_map, per_rank_device_map
+from my_utils import UserError
+from my_utils.run import launch
+from my_utils.core.devices import check_device_map, per_rank_device_map
 
 
 def test_more_processes_than_cores_is_refused(monkeypatch):
@@ -50,7 +51,7 @@ def test_device_maps():
 
 
 def test_lr_scaling():
-    from my_utils.training import scale_learning_rate
+    from my_utils.core.learning_rate import scale_learning_rate
 
     assert scale_learning_rate(1e-3, 32, 16, "none") == 1e-3
     assert scale_learning_rate(1e-3, 32, 16, "linear") == pytest.approx(2e-3)
@@ -126,7 +127,7 @@ def test_a_successful_run_ends_its_process_group_and_a_failed_one_keeps_it():
     ranks may still be in a collective, so the group must not be torn down then."""
     import torch.distributed as dist
 
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     def body():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}", rank=0, world_size=1)
@@ -150,7 +151,7 @@ def test_a_successful_run_ends_its_process_group_and_a_failed_one_keeps_it():
 def test_a_worker_exiting_without_teardown_still_delivers_its_output(subprocess_env):
     import subprocess
 
-    code = "from my_utils.cli import exit_skipping_teardown\nprint('written', end='')\nexit_skipping_teardown()\n"
+    code = "from my_utils.run.cli import exit_skipping_teardown\nprint('written', end='')\nexit_skipping_teardown()\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env)
     assert proc.returncode == 0 and proc.stdout == "written"  # buffered output is flushed before the exit
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from my_utils import UserError
-from my_utils.launch import REPO_ROOT, accelerate_command
-from my_utils.runs import load_run
+from my_utils.run.launch import REPO_ROOT, accelerate_command
+from my_utils.run.results import load_run
 from my_utils.workflows import lora
 
 
@@ -91,7 +91,8 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, quantize):
 def test_auto_mixed_precision_is_bf16_only_where_native(monkeypatch, cuda, cpu_flags, quantize, expected):
     import torch
 
-    from my_utils import devices, launch
+    from my_utils.core import devices
+    from my_utils.run import launch
     from my_utils.workflows.lora import Config, default_mixed_precision, validate
 
     monkeypatch.setattr(devices, "cuda_available", lambda: cuda)

@@ -1,4 +1,4 @@
-from my_utils import memory
+from my_utils.core import memory
 
 
 def test_snapshot_cpu_has_rss_and_no_allocator_figures():

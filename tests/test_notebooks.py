@@ -3,7 +3,7 @@ its lesson claims, so a notebook whose claim stops holding fails here."""
 
 import pytest
 
-from my_utils.demo import execute_notebook, notebooks
+from my_utils.tools.demo import execute_notebook, notebooks
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ workflow on two gloo processes: outputs equal to the plain model's, world size c
 import pytest
 
 from my_utils import UserError
-from my_utils.devices import _contiguous_partition, balanced_layer_split, layer_stack, meta_model, parameters_per_device
+from my_utils.core.devices import (_contiguous_partition, balanced_layer_split, layer_stack, meta_model,
+                                   parameters_per_device)
 
 
 def small_gpt2(vocab=5000, layers=6):
@@ -43,7 +44,7 @@ def test_balanced_split_beats_equal_layer_counts_when_embeddings_are_large():
 
 
 def test_balanced_split_from_a_config_folder_matches_the_model_names():
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
 
     folder = get_preset("tiny").offline_config["causal"]
     names = dict(meta_model(folder).named_modules())
@@ -83,8 +84,8 @@ def test_bad_pipeline_config_is_refused_before_anything_runs():
 
 
 def _launch(tmp_path, subprocess_env, args):
-    from my_utils.launch import accelerate_command, run_command
-    from my_utils.runs import load_run
+    from my_utils.run.launch import accelerate_command, run_command
+    from my_utils.run.results import load_run
 
     out = tmp_path / "run"
     cmd = accelerate_command("my_utils.workflows.pipeline",

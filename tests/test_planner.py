@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from my_utils import UserError, planner
-from my_utils.memory import MiB
+from my_utils import UserError
+from my_utils.tools import planner
+from my_utils.core.memory import MiB
 
 TINY_TARGETS = ("c_attn", "c_proj", "c_fc")
 
@@ -20,8 +21,8 @@ def tiny():
 
 
 def test_meta_device_counts_match_the_real_model(tiny):
-    from my_utils.models import add_lora, build_causal_lm, count_parameters
-    from my_utils.presets import get_preset
+    from my_utils.core.models import add_lora, build_causal_lm, count_parameters
+    from my_utils.core.presets import get_preset
 
     model = build_causal_lm(get_preset("tiny"))
     assert tiny.total_params == count_parameters(model)["total"]
@@ -38,7 +39,7 @@ def saved_activation_bytes(model, batch, seq, vocab, dtype="fp32"):
     autocast when asked."""
     import torch
 
-    from my_utils.callbacks import SavedActivations
+    from my_utils.run.callbacks import SavedActivations
 
     torch.manual_seed(0)
     ids = torch.randint(3, vocab, (batch, seq))
@@ -65,8 +66,8 @@ def test_activation_model_matches_what_autograd_keeps(model_name, method, dtype,
     """The layer-by-layer rule against the bytes autograd really saves, on a CPU (dropout on, padded batch)."""
     from transformers import AutoModelForCausalLM
 
-    from my_utils.models import add_lora, build_causal_lm
-    from my_utils.presets import get_preset
+    from my_utils.core.models import add_lora, build_causal_lm
+    from my_utils.core.presets import get_preset
 
     if model_name == "opt-like":
         config = opt_like_config()
@@ -87,7 +88,7 @@ def test_saved_activations_include_tensors_a_custom_function_keeps():
     counter the runs' breakdowns come from finds it in the graph."""
     import torch
 
-    from my_utils.callbacks import SavedActivations
+    from my_utils.run.callbacks import SavedActivations
 
     class KeepsInput(torch.autograd.Function):
         @staticmethod
@@ -213,8 +214,8 @@ def test_real_presets_match_peft_on_the_meta_device(preset, published):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from my_utils.models import add_lora, count_parameters
-    from my_utils.presets import get_preset
+    from my_utils.core.models import add_lora, count_parameters
+    from my_utils.core.presets import get_preset
 
     p = get_preset(preset)
     causal = p.causal_model is not None
@@ -256,9 +257,9 @@ def test_plan_matches_a_measured_tiny_run_part_by_part(name, baselines, tmp_path
     optimizer states and saved activations it measured from its tensors are each within 15% of the plan for
     that run. Its peak RSS is within 25% of the plan plus the process baseline (Python, torch and the
     libraries, measured in a fresh process that imported them): RSS also holds temporaries and allocator slack."""
-    from my_utils.compare import text_table
-    from my_utils.launch import accelerate_command
-    from my_utils.memory import format_bytes, peak_bytes
+    from my_utils.core.memory import format_bytes, peak_bytes
+    from my_utils.run.launch import accelerate_command
+    from my_utils.tools.compare import text_table
 
     extra, processes = MEASURED_RUNS[name]
     out = tmp_path / "run"

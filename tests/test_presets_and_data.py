@@ -3,8 +3,8 @@ import json
 import pytest
 
 from my_utils import UserError
-from my_utils.data import format_example, format_prompt, read_jsonl, tokenize_instruction, check_enough_rows
-from my_utils.presets import PRESETS, get_preset
+from my_utils.core.data import check_enough_rows, format_example, format_prompt, read_jsonl, tokenize_instruction
+from my_utils.core.presets import PRESETS, get_preset
 
 
 def test_known_presets():
@@ -62,7 +62,7 @@ def test_dataset_smaller_than_a_global_batch():
 
 
 def test_tokenize_masks_prompt_and_ends_with_eos():
-    from my_utils.models import load_tokenizer
+    from my_utils.core.models import load_tokenizer
 
     tok = load_tokenizer(get_preset("tiny"))
     row = {"instruction": "Add the numbers.", "input": "2 3", "output": "5"}

@@ -1,6 +1,6 @@
 import builtins
 
-from my_utils import printing
+from my_utils.core import printing
 
 
 def test_rank_print_prefixes_every_line(capsys, monkeypatch):

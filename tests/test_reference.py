@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from my_utils import bench
-from my_utils.launch import REPO_ROOT
-from my_utils.runs import Run, read_json
+from my_utils.run.launch import REPO_ROOT
+from my_utils.run.results import Run, read_json
+from my_utils.tools import bench
 
 
 def load_script(name):
@@ -72,7 +72,7 @@ def test_readme_section_has_comparison_and_benchmark_tables(tmp_path, monkeypatc
 
 
 def test_readme_series_table_shows_each_lessons_checked_claims(tmp_path, monkeypatch):
-    from my_utils.runs import record_claims
+    from my_utils.run.results import record_claims
 
     update_readme = load_script("update_readme")
     monkeypatch.setattr(update_readme, "DEMO_REFERENCE", tmp_path / "cpu_x2")

@@ -2,7 +2,7 @@
 run's per-step losses exactly (1 and 2 processes), a checkpoint cut short, SIGTERM under accelerate launch, a
 rank that exits or hangs, out of memory, a results file whose rename fails, and no network at all.
 
-Faults are injected through the COURSE_* variables documented in my_utils/training.py, or through a
+Faults are injected through the COURSE_* variables documented in my_utils/run/faults.py, or through a
 sitecustomize module put first on PYTHONPATH (a socket guard, a failing rename).
 """
 
@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from my_utils import UserError
-from my_utils.compare import load_runs
-from my_utils.launch import REPO_ROOT, accelerate_command
-from my_utils.runs import load_run
-from my_utils.training import (CHECKPOINT_MANIFEST, checkpoint_problem, find_resume_checkpoint,
-                               write_checkpoint_manifest)
+from my_utils.run.checkpoints import (CHECKPOINT_MANIFEST, checkpoint_problem, find_resume_checkpoint,
+                                      write_checkpoint_manifest)
+from my_utils.run.launch import REPO_ROOT, accelerate_command
+from my_utils.run.results import load_run
+from my_utils.tools.compare import load_runs
 from my_utils.workflows.lora import default_mixed_precision
 
 COMMON = ["--preset", "tiny", "--logging-steps", "1", "--batch-size", "4", "--save-steps", "2"]

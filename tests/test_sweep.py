@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from my_utils import UserError, sweep
-from my_utils.devices import usable_cores
-from my_utils.runs import Run
+from my_utils import UserError
+from my_utils.tools import sweep
+from my_utils.core.devices import usable_cores
+from my_utils.run.results import Run
 
 LADDER = {"rank": [2, 16], "alpha": [32], "learning_rate": [2e-3]}
 
@@ -89,7 +90,7 @@ def test_bad_input_is_one_sentence(spec, message):
 def test_bad_input_on_the_command_line_writes_nothing(tmp_path, subprocess_env):
     out = tmp_path / "sweep"
     # one small cell, should the check ever let it through (--max-steps 0 once ran the default 250 steps)
-    result = subprocess.run([sys.executable, "-m", "my_utils.sweep", "--ranks", "1", "--max-steps", "0", "--eval-rows",
+    result = subprocess.run([sys.executable, "-m", "my_utils.tools.sweep", "--ranks", "1", "--max-steps", "0", "--eval-rows",
                              "4", "--out", str(out)], env=subprocess_env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "sweep: error: --max-steps must be a positive integer, got 0."

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 from my_utils import UserError
-from my_utils.runs import RUNS_ROOT
+from my_utils.run.results import RUNS_ROOT
 
 METHODS = ("full", "lora")
 PARALLEL = ("none", "ddp", "pipeline")
@@ -52,9 +52,9 @@ class Config:
 
 
 def validate(cfg: Config):
-    from my_utils.models import check_lora_args
-    from my_utils.presets import get_preset
-    from my_utils.training import check_positive
+    from my_utils.core.models import check_lora_args
+    from my_utils.core.presets import get_preset
+    from my_utils.run.config import check_positive
 
     preset = get_preset(cfg.preset)
     preset.require("classifier")
@@ -102,17 +102,19 @@ def train(cfg: Config) -> dict:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from accelerate.utils import set_seed  # (transformers.set_seed would import peft and bitsandbytes: seconds)
+    from accelerate.utils import (
+        set_seed,  # (transformers.set_seed would import peft and bitsandbytes: seconds)
+    )
 
-    from my_utils.callbacks import (gather_to_rank0, gradient_bytes, memory_breakdown, model_weight_bytes,
-                                    optimizer_state_bytes)
-    from my_utils.data import check_enough_rows, load_classification
-    from my_utils.devices import device_inventory, per_rank_device
-    from my_utils.launch import check_world_size
-    from my_utils.memory import peak_bytes, reset_peak, snapshot
-    from my_utils.models import add_lora, build_classifier, count_parameters, load_tokenizer, set_threads
-    from my_utils.printing import print0
-    from my_utils.training import open_run, recorded
+    from my_utils.core.data import check_enough_rows, load_classification
+    from my_utils.core.devices import device_inventory, per_rank_device
+    from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+    from my_utils.core.models import add_lora, build_classifier, count_parameters, load_tokenizer, set_threads
+    from my_utils.core.printing import print0
+    from my_utils.run.callbacks import (gather_to_rank0, gradient_bytes, memory_breakdown, model_weight_bytes,
+                                        optimizer_state_bytes)
+    from my_utils.run.launch import check_world_size
+    from my_utils.run.lifecycle import open_run, recorded
     from my_utils.workflows.pipeline import disable_dropout, make_schedule, pipeline_stage
 
     preset = validate(cfg)
@@ -203,8 +205,8 @@ def train(cfg: Config) -> dict:
         else:
             from accelerate import Accelerator
 
-            from my_utils.evaluation import accuracy
-            from my_utils.launch import is_cpu_only
+            from my_utils.core.evaluation import accuracy
+            from my_utils.run.launch import is_cpu_only
 
             accelerator = Accelerator(cpu=is_cpu_only())
             held = model.to(device)  # the weights this process holds: all of them
@@ -350,13 +352,13 @@ def parse_args(argv=None) -> Config:
 
 
 def main(argv=None) -> dict:
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     return run_main(lambda: train(parse_args(argv)), prefix="classification")
 
 
 if __name__ == "__main__":
-    from my_utils.cli import exit_skipping_teardown
+    from my_utils.run.cli import exit_skipping_teardown
 
     main()
     exit_skipping_teardown()

@@ -26,7 +26,7 @@ import warnings
 from dataclasses import asdict, dataclass, fields
 
 from my_utils import UserError
-from my_utils.runs import RUNS_ROOT
+from my_utils.run.results import RUNS_ROOT
 
 
 @dataclass
@@ -81,13 +81,13 @@ def train(cfg: Config) -> dict:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from my_utils.data import check_enough_rows
-    from my_utils.devices import device_inventory
-    from my_utils.launch import check_world_size
-    from my_utils.memory import peak_bytes, reset_peak, snapshot
-    from my_utils.models import set_threads
-    from my_utils.printing import print0
-    from my_utils.training import open_run, recorded
+    from my_utils.core.data import check_enough_rows
+    from my_utils.core.devices import device_inventory
+    from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+    from my_utils.core.models import set_threads
+    from my_utils.core.printing import print0
+    from my_utils.run.launch import check_world_size
+    from my_utils.run.lifecycle import open_run, recorded
     from my_utils.workflows.ddp_common import (block_dataset, build_model, default_learning_rate, throughput,
                                                validate_common, warmup_steps, worker_report, write_worker_report)
 
@@ -197,7 +197,7 @@ def parse_args(argv=None) -> Config:
 
 
 def main(argv=None) -> dict:
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     return run_main(lambda: train(parse_args(argv)), prefix="data_parallel")
 

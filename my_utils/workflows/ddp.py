@@ -7,7 +7,7 @@ one process with batch 2b.
 
     # one process (a process group of one)
     python -m my_utils.workflows.ddp --preset tiny
-    # two processes on one machine: torchrun, accelerate launch or (in a notebook) my_utils.launch.launch
+    # two processes on one machine: torchrun, accelerate launch or (in a notebook) my_utils.run.launch.launch
     torchrun --standalone --nproc_per_node 2 -m my_utils.workflows.ddp --preset tiny
     accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp --preset tiny
     # two machines (run on each, node_rank 0 and 1; the first machine's address)
@@ -27,7 +27,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 
-from my_utils.runs import RUNS_ROOT
+from my_utils.run.results import RUNS_ROOT
 
 OPTIMIZERS = ("adamw", "sgd")
 
@@ -55,7 +55,8 @@ class Config:
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
     from my_utils import UserError
-    from my_utils.training import LR_SCALING, check_positive
+    from my_utils.core.learning_rate import LR_SCALING
+    from my_utils.run.config import check_positive
     from my_utils.workflows.ddp_common import validate_common
 
     preset = validate_common(cfg)
@@ -72,8 +73,8 @@ def init_process_group() -> None:
     (torchrun, accelerate launch and notebook_launcher all set them), or form a group of one without a launcher."""
     import torch.distributed as dist
 
-    from my_utils.devices import cuda_available
-    from my_utils.launch import free_port
+    from my_utils.core.devices import cuda_available
+    from my_utils.run.launch import free_port
 
     if dist.is_initialized():
         return
@@ -112,16 +113,17 @@ def train(cfg: Config) -> dict:
     from torch.utils.data import DataLoader, DistributedSampler
     from tqdm.auto import tqdm
 
-    from my_utils.callbacks import gather_to_rank0
-    from my_utils.data import check_enough_rows
-    from my_utils.devices import device_inventory, local_rank, per_rank_device, per_rank_device_map
-    from my_utils.launch import check_world_size
-    from my_utils.memory import peak_bytes, reset_peak, snapshot
-    from my_utils.models import set_threads
-    from my_utils.printing import print0, rank_print
-    from my_utils.training import open_run, recorded, scale_learning_rate
-    from my_utils.workflows.ddp_common import (backend, block_dataset, build_model, default_learning_rate,
-                                               throughput, warmup_steps, worker_report, write_worker_report)
+    from my_utils.core.data import check_enough_rows
+    from my_utils.core.devices import device_inventory, local_rank, per_rank_device, per_rank_device_map
+    from my_utils.core.learning_rate import scale_learning_rate
+    from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+    from my_utils.core.models import set_threads
+    from my_utils.core.printing import print0, rank_print
+    from my_utils.run.callbacks import gather_to_rank0
+    from my_utils.run.launch import check_world_size
+    from my_utils.run.lifecycle import open_run, recorded
+    from my_utils.workflows.ddp_common import (backend, block_dataset, build_model, default_learning_rate, throughput,
+                                               warmup_steps, worker_report, write_worker_report)
 
     preset = validate(cfg)
     warmup = warmup_steps(cfg)
@@ -256,7 +258,7 @@ def parse_args(argv=None, prog: str = "python -m my_utils.workflows.ddp", descri
 
 
 def main(argv=None) -> dict:
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     return run_main(lambda: train(parse_args(argv)), prefix="ddp")
 

@@ -17,13 +17,13 @@ import functools
 import os
 import socket
 
-from my_utils.training import check_positive
+from my_utils.run.config import check_positive
 
 
 def validate_common(cfg):
     """Checks shared by the data-parallel workflows' configs; returns the preset (bad input: one sentence)."""
     from my_utils import UserError
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
 
     preset = get_preset(cfg.preset)
     preset.require("causal")
@@ -71,7 +71,7 @@ def set_dropout(model, p: float):
 def build_model(preset, *, random_init: bool = False, dropout: float = 0.0, device_map=None):
     """The preset's causal LM with dropout set to ``dropout``. ``device_map`` (one device, e.g.
     ``per_rank_device_map()``) places pretrained weights at load time; random weights are moved there after."""
-    from my_utils.models import build_causal_lm
+    from my_utils.core.models import build_causal_lm
 
     model = build_causal_lm(preset, random_init=random_init, device_map=device_map)
     if device_map is not None:
@@ -85,7 +85,7 @@ def pack_blocks(rows, tokenizer, block_length: int):
     import torch
 
     from my_utils import UserError
-    from my_utils.data import format_example
+    from my_utils.core.data import format_example
 
     texts = [format_example(row, tokenizer.eos_token) for row in rows]
     ids = [i for row_ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for i in row_ids]
@@ -105,9 +105,9 @@ def block_dataset(preset, max_length: int) -> list[dict]:
 @functools.lru_cache(maxsize=4)
 def _block_dataset(preset_name: str, max_length: int) -> list[dict]:
     from my_utils import UserError
-    from my_utils.data import load_instructions
-    from my_utils.models import load_tokenizer
-    from my_utils.presets import get_preset
+    from my_utils.core.data import load_instructions
+    from my_utils.core.models import load_tokenizer
+    from my_utils.core.presets import get_preset
 
     preset = get_preset(preset_name)
     tokenizer = load_tokenizer(preset)
@@ -129,8 +129,8 @@ def worker_report(model=None, **extra) -> dict:
     """What this process sees: ranks, world size, backend, where the model lives, host, threads."""
     import torch
 
-    from my_utils.devices import local_rank
-    from my_utils.printing import get_rank, get_world_size
+    from my_utils.core.devices import local_rank
+    from my_utils.core.printing import get_rank, get_world_size
 
     return {
         "rank": get_rank(),
@@ -150,7 +150,7 @@ def write_worker_report(run_dir, report: dict) -> None:
     """Every rank writes ``workers/rank_<r>.json`` into the results folder: the world as each worker saw it."""
     from pathlib import Path
 
-    from my_utils.runs import atomic_write_json
+    from my_utils.run.results import atomic_write_json
 
     folder = Path(run_dir) / "workers"
     folder.mkdir(parents=True, exist_ok=True)
@@ -169,8 +169,8 @@ def throughput(steps_timed: int, global_batch: int, max_length: int, seconds: fl
 
 
 if __name__ == "__main__":
-    from my_utils.models import load_tokenizer
-    from my_utils.presets import get_preset
+    from my_utils.core.models import load_tokenizer
+    from my_utils.core.presets import get_preset
 
     tiny = get_preset("tiny")
     blocks = block_dataset(tiny, 128)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from my_utils.runs import RUNS_ROOT
+from my_utils.run.results import RUNS_ROOT
 from my_utils.workflows.ddp import Config, parse_args, validate
 
 
@@ -26,16 +26,17 @@ def train(cfg: Config) -> dict:
     from accelerate.utils import broadcast_object_list
     from transformers import Trainer, TrainingArguments
 
-    from my_utils.callbacks import make_callbacks
-    from my_utils.data import check_enough_rows
-    from my_utils.devices import device_inventory, per_rank_device, per_rank_device_map
-    from my_utils.launch import check_world_size, is_cpu_only
-    from my_utils.memory import peak_bytes
-    from my_utils.models import set_threads
-    from my_utils.printing import print0, rank_print
-    from my_utils.training import open_run, recorded, scale_learning_rate
-    from my_utils.workflows.ddp_common import (backend, block_dataset, build_model, default_learning_rate,
-                                               throughput, worker_report, write_worker_report)
+    from my_utils.core.data import check_enough_rows
+    from my_utils.core.devices import device_inventory, per_rank_device, per_rank_device_map
+    from my_utils.core.learning_rate import scale_learning_rate
+    from my_utils.core.memory import peak_bytes
+    from my_utils.core.models import set_threads
+    from my_utils.core.printing import print0, rank_print
+    from my_utils.run.callbacks import make_callbacks
+    from my_utils.run.launch import check_world_size, is_cpu_only
+    from my_utils.run.lifecycle import open_run, recorded
+    from my_utils.workflows.ddp_common import (backend, block_dataset, build_model, default_learning_rate, throughput,
+                                               worker_report, write_worker_report)
 
     preset = validate(cfg)
     world_size = check_world_size(cfg.num_processes)
@@ -115,7 +116,7 @@ def train(cfg: Config) -> dict:
 
 
 def main(argv=None) -> dict:
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     description = ("The DDP lesson's training with the transformers Trainer (no distributed code: the launcher "
                    "decides the number of processes). Writes a results folder and prints its summary.")

@@ -8,7 +8,7 @@ One function, two launchers:
     accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.lora --preset tiny --quantize 4bit
     python -m my_utils.workflows.lora --preset tiny --method full
     # a notebook
-    from my_utils.launch import launch; launch(train, Config(preset="tiny"), num_processes=2)
+    from my_utils.run.launch import launch; launch(train, Config(preset="tiny"), num_processes=2)
 
 Checkpoints and resuming (the same results folder continues; its losses match an uninterrupted run). A crash
 resumes from the newest whole checkpoint; a SIGTERM (a scheduler preempting the job) stops every rank at the
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.runs import RUNS_ROOT
+from my_utils.run.results import RUNS_ROOT
 
 METHODS = ("lora", "full")
 MIXED_PRECISION = ("auto", "no", "fp16", "bf16")
@@ -87,11 +87,14 @@ def validate(cfg: Config):
     """Check ``cfg`` (one sentence per problem) and settle ``mixed_precision="auto"``; returns the preset."""
     """Check the settings before anything starts (nothing heavy is imported, nothing is written); returns the
     preset. Files are checked next, by ``load_inputs``, also before the results folder is touched."""
-    from my_utils.launch import check_process_count
-    from my_utils.models import QUANTIZE_CHOICES, check_lora_args
-    from my_utils.presets import get_preset
-    from my_utils.runs import check_can_create, check_new_run_dir
-    from my_utils.training import LR_SCALING, check_positive, check_resumable, find_resume_checkpoint
+    from my_utils.core.learning_rate import LR_SCALING
+    from my_utils.core.models import QUANTIZE_CHOICES, check_lora_args
+    from my_utils.core.presets import get_preset
+    from my_utils.run.checkpoints import find_resume_checkpoint
+    from my_utils.run.config import check_positive
+    from my_utils.run.launch import check_process_count
+    from my_utils.run.lifecycle import check_resumable
+    from my_utils.run.results import check_can_create, check_new_run_dir
 
     preset = get_preset(cfg.preset)
     preset.require("causal")
@@ -134,7 +137,7 @@ def validate(cfg: Config):
         check_new_run_dir(cfg.output_dir)
         check_can_create(cfg.output_dir)
     if cfg.mixed_precision == "fp16":
-        from my_utils.launch import is_cpu_only
+        from my_utils.run.launch import is_cpu_only
 
         if is_cpu_only():
             raise UserError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no.")
@@ -145,8 +148,8 @@ def default_mixed_precision(quantize: str) -> str:
     """bf16 where the device computes it natively, as trl's SFTConfig defaults to: on such a CPU it doubles the
     matmul rate and the tiny lessons learn as well (``python -m my_utils bench trainer`` measures both). A quantized
     model on a CPU keeps fp32 compute: bitsandbytes' CPU kernels are what the QLoRA lesson checks."""
-    from my_utils.devices import native_bf16
-    from my_utils.launch import is_cpu_only
+    from my_utils.core.devices import native_bf16
+    from my_utils.run.launch import is_cpu_only
 
     if quantize != "none" and is_cpu_only():
         return "no"
@@ -157,10 +160,10 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
     """Read and check everything the run needs from files, before the results folder is touched: the model's
     config (LoRA targets, longest sequence), the tokenizer and the data. Returns the tokenizer, the tokenized
     sets, the held-out rows, and the batch size and max length in use."""
-    from my_utils.data import (INSTRUCTION_COLUMNS, check_enough_rows, check_text_columns, load_instructions,
-                               tokenize_instructions)
-    from my_utils.devices import meta_model
-    from my_utils.models import check_lora_targets, load_tokenizer, max_positions
+    from my_utils.core.data import (INSTRUCTION_COLUMNS, check_enough_rows, check_text_columns, load_instructions,
+                                    tokenize_instructions)
+    from my_utils.core.devices import meta_model
+    from my_utils.core.models import check_lora_targets, load_tokenizer, max_positions
 
     batch_size = cfg.batch_size or preset.batch_size
     max_length = cfg.max_length or preset.max_length
@@ -192,7 +195,7 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
 def train(cfg: Config) -> dict:
     """Fine-tune and evaluate; returns the summary (on every rank; rank 0 also writes it)."""
     preset = validate(cfg)  # before any heavy import: bad settings fail in a fraction of a second
-    from my_utils.launch import check_process_count, check_world_size
+    from my_utils.run.launch import check_process_count, check_world_size
 
     world_size = check_world_size(cfg.num_processes, timeout_s=cfg.timeout_s)
     check_process_count(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))  # processes on this machine
@@ -202,16 +205,17 @@ def train(cfg: Config) -> dict:
     from accelerate.utils import broadcast_object_list
     from transformers import TrainingArguments, set_seed
 
-    from my_utils.callbacks import TokenCounter, gather_to_rank0, make_callbacks
-    from my_utils.data import padding_collator
-    from my_utils.devices import device_inventory, per_rank_device, per_rank_device_map
-    from my_utils.evaluation import SIMILARITY_SCORER, held_out_loss
-    from my_utils.launch import is_cpu_only
-    from my_utils.memory import peak_bytes
-    from my_utils.models import add_lora, build_causal_lm, count_parameters, folder_size, set_threads
-    from my_utils.printing import print0
-    from my_utils.training import (course_trainer_class, install_fake_oom, name_stopped_ranks, open_run,
-                                   recorded, reliability_callbacks, reopen_run, scale_learning_rate)
+    from my_utils.core.data import padding_collator
+    from my_utils.core.devices import device_inventory, per_rank_device, per_rank_device_map
+    from my_utils.core.evaluation import SIMILARITY_SCORER, held_out_loss
+    from my_utils.core.learning_rate import scale_learning_rate
+    from my_utils.core.memory import peak_bytes
+    from my_utils.core.models import add_lora, build_causal_lm, count_parameters, folder_size, set_threads
+    from my_utils.core.printing import print0
+    from my_utils.run.callbacks import TokenCounter, gather_to_rank0, make_callbacks
+    from my_utils.run.faults import course_trainer_class, install_fake_oom, name_stopped_ranks, reliability_callbacks
+    from my_utils.run.launch import is_cpu_only
+    from my_utils.run.lifecycle import open_run, recorded, reopen_run
 
     threads = set_threads()
     set_seed(cfg.seed)
@@ -399,7 +403,7 @@ def _generation_eval(cfg, model, tokenizer, rows):
     """Exact match and similarity of greedy answers, on rank 0 (the other ranks wait); None when skipped."""
     from accelerate import PartialState
 
-    from my_utils.evaluation import answer_quality
+    from my_utils.core.evaluation import answer_quality
 
     state = PartialState()
     quality = None
@@ -492,7 +496,7 @@ def parse_args(argv=None) -> Config:
 
 
 def main(argv=None) -> dict:
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     try:
         return run_main(lambda: train(parse_args(argv)), prefix="lora")

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 from my_utils import UserError
-from my_utils.runs import RUNS_ROOT
+from my_utils.run.results import RUNS_ROOT
 
 MODES = ("pipeline", "tensor")
 SCHEDULES = ("gpipe", "1f1b")
@@ -48,8 +48,8 @@ class Config:
 
 
 def validate(cfg: Config):
-    from my_utils.presets import get_preset
-    from my_utils.training import check_positive
+    from my_utils.core.presets import get_preset
+    from my_utils.run.config import check_positive
 
     preset = get_preset(cfg.preset)
     if cfg.mode not in MODES:
@@ -86,7 +86,7 @@ def pipeline_stage(model, n_stages: int, stage_index: int, device, example_args:
     """
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    from my_utils.devices import balanced_layer_split
+    from my_utils.core.devices import balanced_layer_split
 
     device_map = balanced_layer_split(model, range(n_stages))
     starts = {}
@@ -175,7 +175,7 @@ def naive_split_timeline(model, device_map: dict, batches) -> dict[str, list[dic
 def plot_timeline(lanes: dict[str, list[dict]], path, title: str):
     """A Gantt chart: one row per stage or rank, a bar per forward (blue) or backward (orange), numbered by
     micro-batch; white space is idle time."""
-    from my_utils.plots import new_figure, save
+    from my_utils.core.plots import new_figure, save
 
     t0 = min(e["start"] for events in lanes.values() for e in events)
     fig = new_figure(9, 1.0 + 0.7 * len(lanes))
@@ -209,7 +209,7 @@ def token_blocks(preset, tokenizer, n_blocks: int, seq_len: int):
     (no padding, so every micro-batch has the same shape and the same number of tokens)."""
     import torch
 
-    from my_utils.data import format_example, load_instructions
+    from my_utils.core.data import format_example, load_instructions
 
     rows, _ = load_instructions(preset.instruction_data)
     stream: list[int] = []
@@ -228,8 +228,8 @@ def token_blocks(preset, tokenizer, n_blocks: int, seq_len: int):
 
 def train(cfg: Config) -> dict:
     """Run the pipeline or tensor-parallel experiment; returns the summary on every rank (rank 0 writes it)."""
-    from my_utils.launch import check_world_size
-    from my_utils.models import set_threads
+    from my_utils.core.models import set_threads
+    from my_utils.run.launch import check_world_size
 
     preset = validate(cfg)
     world_size = check_world_size(cfg.num_processes)
@@ -245,14 +245,16 @@ def _train_pipeline(cfg: Config, preset, world_size: int) -> dict:
 
     import torch
     import torch.distributed as dist
-    from accelerate.utils import set_seed  # (transformers.set_seed would import peft and bitsandbytes: seconds)
+    from accelerate.utils import (
+        set_seed,  # (transformers.set_seed would import peft and bitsandbytes: seconds)
+    )
 
-    from my_utils.callbacks import gather_to_rank0
-    from my_utils.devices import device_inventory, per_rank_device
-    from my_utils.memory import peak_bytes, reset_peak, snapshot
-    from my_utils.models import build_causal_lm, load_tokenizer
-    from my_utils.printing import print0, rank_print
-    from my_utils.training import open_run, recorded
+    from my_utils.core.devices import device_inventory, per_rank_device
+    from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+    from my_utils.core.models import build_causal_lm, load_tokenizer
+    from my_utils.core.printing import print0, rank_print
+    from my_utils.run.callbacks import gather_to_rank0
+    from my_utils.run.lifecycle import open_run, recorded
 
     set_seed(cfg.seed)
     rank, device = dist.get_rank(), per_rank_device()
@@ -371,7 +373,7 @@ def feed_forward_pairs(model) -> list[tuple[str, str]]:
     is what makes column-then-row sharding exact."""
     import torch
 
-    from my_utils.devices import layer_stack
+    from my_utils.core.devices import layer_stack
 
     stack_name, blocks = layer_stack(model)
     pairs = []
@@ -391,18 +393,20 @@ def feed_forward_pairs(model) -> list[tuple[str, str]]:
 def _tensor_parallel(cfg: Config, preset, world_size: int) -> dict:
     import torch
     import torch.distributed as dist
+    from accelerate.utils import (
+        set_seed,  # (transformers.set_seed would import peft and bitsandbytes: seconds)
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from accelerate.utils import set_seed  # (transformers.set_seed would import peft and bitsandbytes: seconds)
 
-    from my_utils.callbacks import gather_to_rank0
-    from my_utils.data import load_classification
-    from my_utils.devices import device_inventory, per_rank_device
-    from my_utils.memory import peak_bytes, snapshot
-    from my_utils.models import build_classifier, load_tokenizer
-    from my_utils.printing import print0, rank_print
-    from my_utils.training import open_run, recorded
+    from my_utils.core.data import load_classification
+    from my_utils.core.devices import device_inventory, per_rank_device
+    from my_utils.core.memory import peak_bytes, snapshot
+    from my_utils.core.models import build_classifier, load_tokenizer
+    from my_utils.core.printing import print0, rank_print
+    from my_utils.run.callbacks import gather_to_rank0
+    from my_utils.run.lifecycle import open_run, recorded
 
     set_seed(cfg.seed)
     rank, device = dist.get_rank(), per_rank_device()
@@ -489,13 +493,13 @@ def parse_args(argv=None) -> Config:
 
 
 def main(argv=None) -> dict:
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     return run_main(lambda: train(parse_args(argv)), prefix="pipeline")
 
 
 if __name__ == "__main__":
-    from my_utils.cli import exit_skipping_teardown
+    from my_utils.run.cli import exit_skipping_teardown
 
     main()
     exit_skipping_teardown()

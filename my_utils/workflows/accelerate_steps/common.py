@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.runs import RUNS_ROOT
+from my_utils.run.results import RUNS_ROOT
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
@@ -39,8 +39,8 @@ class Config:
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
-    from my_utils.launch import is_cpu_only
-    from my_utils.training import check_positive
+    from my_utils.run.config import check_positive
+    from my_utils.run.launch import is_cpu_only
     from my_utils.workflows.ddp_common import validate_common
 
     preset = validate_common(cfg)
@@ -60,7 +60,7 @@ def validate(cfg: Config):
 
 
 def learning_rate(cfg: Config) -> float:
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
     from my_utils.workflows.ddp_common import default_learning_rate
 
     return cfg.learning_rate or default_learning_rate(get_preset(cfg.preset))
@@ -71,7 +71,7 @@ def build(cfg: Config):
     shuffled once with the seed. The order is fixed so that a resumed run continues exactly where it stopped."""
     import torch
 
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
     from my_utils.workflows.ddp_common import block_dataset, build_model
 
     preset = get_preset(cfg.preset)
@@ -119,7 +119,7 @@ def jsonl_tracker(run_dir):
 
     from accelerate.tracking import GeneralTracker, on_main_process
 
-    from my_utils.runs import Run, atomic_write_json
+    from my_utils.run.results import Run, atomic_write_json
 
     class JsonlTracker(GeneralTracker):
         name = "jsonl"
@@ -161,12 +161,12 @@ def run_step(loop, cfg: Config) -> dict:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
-    from my_utils.data import check_enough_rows
-    from my_utils.devices import device_inventory
-    from my_utils.launch import check_world_size
-    from my_utils.models import set_threads
-    from my_utils.printing import print0, rank_print
-    from my_utils.training import open_run, recorded
+    from my_utils.core.data import check_enough_rows
+    from my_utils.core.devices import device_inventory
+    from my_utils.core.models import set_threads
+    from my_utils.core.printing import print0, rank_print
+    from my_utils.run.launch import check_world_size
+    from my_utils.run.lifecycle import open_run, recorded
     from my_utils.workflows.ddp_common import backend, block_dataset, worker_report, write_worker_report
 
     step_name = module_name(loop)
@@ -251,7 +251,7 @@ def parse_args(argv, prog: str) -> Config:
 
 def main_for(train, argv) -> dict:
     """The ``main`` of a step module: parse the command line and run ``train`` with one-sentence errors."""
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     module = module_name(train)
     return run_main(lambda: train(parse_args(argv, prog=f"python -m {module}")), prefix=module.rsplit(".", 1)[-1])

@@ -16,6 +16,7 @@ def training_loop(cfg: Config, run_dir) -> dict:
     import time
 
     import torch
+
     # New Code # prepare
     from accelerate import Accelerator
     from torch.utils.data import DataLoader

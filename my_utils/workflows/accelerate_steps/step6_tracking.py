@@ -16,14 +16,15 @@ def training_loop(cfg: Config, run_dir) -> dict:
     import time
 
     import torch
+
     # New Code # prepare
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
     # New Code # checkpointing
-    from my_utils.workflows.accelerate_steps.common import checkpoint_dir, checkpoint_step
     # New Code # tracking
-    from my_utils.workflows.accelerate_steps.common import jsonl_tracker, tracker_config
+    from my_utils.workflows.accelerate_steps.common import (checkpoint_dir, checkpoint_step, jsonl_tracker,
+                                                            tracker_config)
 
     model, dataset = build(cfg)
     # New Code # prepare

@@ -49,7 +49,7 @@ def torch_build() -> dict:
     """What torch was built for: its CUDA version (None on a CPU build) and whether bf16 runs on the GPU."""
     import torch
 
-    from my_utils.devices import cuda_available
+    from my_utils.core.devices import cuda_available
 
     build = {"torch cuda": torch.version.cuda, "cudnn": None, "bf16 on GPU": None}
     if cuda_available():
@@ -60,8 +60,8 @@ def torch_build() -> dict:
 
 def environment(config_file: str | Path | None = None) -> dict:
     """Everything the command shows, as plain data."""
-    from my_utils.devices import device_inventory
-    from my_utils.runs import library_versions
+    from my_utils.core.devices import device_inventory
+    from my_utils.run.results import library_versions
 
     config_path = Path(config_file) if config_file else accelerate_default_config()
     return {
@@ -75,8 +75,8 @@ def environment(config_file: str | Path | None = None) -> dict:
 
 
 def render(env: dict) -> str:
-    from my_utils.compare import text_table
-    from my_utils.memory import format_bytes
+    from my_utils.core.memory import format_bytes
+    from my_utils.tools.compare import text_table
 
     devices = [[d["kind"] if d["index"] is None else f"{d['kind']}:{d['index']}", d["name"], str(d["cores"] or "-"),
                 format_bytes(d["total_memory"])] for d in env["devices"]]

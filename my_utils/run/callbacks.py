@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from my_utils.memory import peak_bytes, reset_peak, snapshot
-from my_utils.printing import get_rank, get_world_size, rank_print
+from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+from my_utils.core.printing import get_rank, get_world_size, rank_print
 
 
 def gather_to_rank0(obj) -> list | None:
@@ -87,7 +87,7 @@ def quantization_constant_bytes(model) -> int:
 
 def model_weight_bytes(model) -> int:
     """The weights' footprint: parameters and buffers as stored, plus quantization constants."""
-    from my_utils.models import weights_bytes
+    from my_utils.core.models import weights_bytes
 
     return weights_bytes(model) + quantization_constant_bytes(model)
 

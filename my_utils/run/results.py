@@ -25,9 +25,8 @@ from pathlib import Path
 
 from my_utils import UserError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNS_ROOT = REPO_ROOT / "runs"
-STATUSES = ("running", "complete", "failed", "interrupted")
 LIBRARIES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "datasets", "tokenizers")
 
 

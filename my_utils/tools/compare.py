@@ -22,8 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from my_utils.memory import format_bytes, peak_bytes
-from my_utils.runs import find_run_dirs, load_run
+from my_utils.core.memory import format_bytes, peak_bytes
+from my_utils.run.results import find_run_dirs, load_run
 
 # Configuration keys that do not make two runs different experiments: the process count is what a speedup
 # varies; the others say where and how a run is kept (its folder, resuming, checkpoints, a collective's timeout).
@@ -332,8 +332,8 @@ def overview(*paths, root: Path | str | None = None, markdown: bool = False) -> 
 
 def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
     """Write the plots (PNG) and the tables (comparison.md, comparison.txt) into ``out``; returns the files."""
-    from my_utils import plots
-    from my_utils.runs import atomic_write_text
+    from my_utils.core import plots
+    from my_utils.run.results import atomic_write_text
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The full-vs-LoRA x one-device/DDP/pipeline table of the classification lesson, built from results folders only.
 
-    python -m my_utils.classification_table runs/notebooks/09_classification
-    python -m my_utils.classification_table runs/classification --markdown
+    python -m my_utils.workflows.classification_table runs/notebooks/09_classification
+    python -m my_utils.workflows.classification_table runs/classification --markdown
 
 Only complete runs of the classification workflow enter the table; each row says which folder it came from.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.memory import format_bytes
-from my_utils.runs import find_run_dirs, load_run
+from my_utils.core.memory import format_bytes
+from my_utils.run.results import find_run_dirs, load_run
 
 PARALLEL_ORDER = ("none", "ddp", "pipeline")
 METHOD_ORDER = ("full", "lora")
@@ -47,7 +47,7 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def classification_table(*paths, markdown: bool = False) -> str:
     """The table, as text or markdown, of every complete classification run under ``paths``."""
-    from my_utils.compare import markdown_table, text_table
+    from my_utils.tools.compare import markdown_table, text_table
 
     runs = classification_runs(*paths)
     if not runs:
@@ -59,8 +59,8 @@ def classification_table(*paths, markdown: bool = False) -> str:
 def plot_classification(runs: list[dict], path) -> Path:
     """Eval accuracy against steps for every run, and chance (left), and what each process holds of the model: weights,
     gradients and optimizer states (right; the peak memory adds the runtime and the activations to it)."""
-    from my_utils.memory import MiB
-    from my_utils.plots import new_figure, save
+    from my_utils.core.memory import MiB
+    from my_utils.core.plots import new_figure, save
 
     fig = new_figure(11, 4)
     curves, memory = fig.subplots(1, 2)
@@ -94,7 +94,7 @@ def plot_classification(runs: list[dict], path) -> Path:
 def main(argv=None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m my_utils.classification_table", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m my_utils.workflows.classification_table", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="results folders, or folders that contain them")
     p.add_argument("--markdown", action="store_true", help="a markdown table")
@@ -103,6 +103,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     run_main(main, prefix="classification_table")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.runs import REPO_ROOT, Run, next_run_root
+from my_utils.run.results import REPO_ROOT, Run, next_run_root
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 
@@ -58,8 +58,8 @@ def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 
 def main(argv=None) -> Path:
     from tqdm import tqdm
 
-    from my_utils.compare import overview
-    from my_utils.devices import device_kind, usable_cores
+    from my_utils.core.devices import device_kind, usable_cores
+    from my_utils.tools.compare import overview
 
     p = argparse.ArgumentParser(prog="python -m my_utils demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

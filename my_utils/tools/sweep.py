@@ -1,11 +1,11 @@
 """A LoRA sweep over a grid of settings: one fresh process per cell, each writing its own results folder, then
 tables, plots and sentences computed from those folders.
 
-    python -m my_utils.sweep --preset tiny --grid rank=1,4,16,64 alpha=32 --out runs/sweeps/tiny
-    python -m my_utils.sweep --preset tiny --grid rank=4,64 alpha=32 learning_rate=2e-3,8e-3 \\
+    python -m my_utils.tools.sweep --preset tiny --grid rank=1,4,16,64 alpha=32 --out runs/sweeps/tiny
+    python -m my_utils.tools.sweep --preset tiny --grid rank=4,64 alpha=32 learning_rate=2e-3,8e-3 \\
         --grid method=full learning_rate=2e-4,8e-4 --jobs 2 --out runs/sweeps/tiny_lr
-    python -m my_utils.sweep --preset opt-350m --ranks 8 128 256 --out runs/sweeps/opt-350m   # a GPU
-    python -m my_utils.sweep --spec sweep.json --out runs/sweeps/mine
+    python -m my_utils.tools.sweep --preset opt-350m --ranks 8 128 256 --out runs/sweeps/opt-350m   # a GPU
+    python -m my_utils.tools.sweep --spec sweep.json --out runs/sweeps/mine
 
 A sweep is declarative: a spec (a preset, the workflow options every cell shares, and grids) saved as
 ``sweep.json`` in the sweep folder. A grid maps workflow options to the values they take, and its cells are every
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.runs import RUNS_ROOT, atomic_write_json, load_run, read_json, unique_dir
+from my_utils.run.results import RUNS_ROOT, atomic_write_json, load_run, read_json, unique_dir
 
 WORKFLOW = "my_utils.workflows.lora"
 # Options the sweep gives every cell itself.
@@ -135,7 +135,7 @@ class SweepSpec:
     num_processes: int = 1
 
     def __post_init__(self):
-        from my_utils.presets import get_preset
+        from my_utils.core.presets import get_preset
         from my_utils.workflows.lora import validate
 
         get_preset(self.preset)
@@ -183,13 +183,13 @@ class SweepSpec:
 
 def _check_targets(preset_name: str, targets: set) -> None:
     """Every target module exists in the preset's architecture (built on the meta device: no weights)."""
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
 
     shipped = get_preset(preset_name).offline_config.get("causal")
     if not targets or not shipped:
         return
-    from my_utils.devices import meta_model
-    from my_utils.models import check_lora_targets
+    from my_utils.core.devices import meta_model
+    from my_utils.core.models import check_lora_targets
 
     model = meta_model(shipped)
     for names in sorted(targets):
@@ -198,7 +198,7 @@ def _check_targets(preset_name: str, targets: set) -> None:
 
 def cell_command(spec: SweepSpec, cell: dict, folder: Path) -> list[str]:
     """The command that trains one cell in a new process (``accelerate launch`` for several processes)."""
-    from my_utils.launch import accelerate_command
+    from my_utils.run.launch import accelerate_command
 
     args = ["--preset", spec.preset, *_flags({**spec.args, **cell}), "--output-dir", str(folder)]
     if spec.num_processes > 1:
@@ -243,9 +243,9 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     fail do not stop the others: the sweep raises at the end, naming them."""
     from tqdm.auto import tqdm
 
-    from my_utils.devices import usable_cores
-    from my_utils.launch import check_process_count, clean_env, is_cpu_only
-    from my_utils.training import check_positive
+    from my_utils.core.devices import usable_cores
+    from my_utils.run.config import check_positive
+    from my_utils.run.launch import check_process_count, clean_env, is_cpu_only
 
     out = Path(out)
     check_positive("--jobs", jobs)
@@ -309,7 +309,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
 def _start(cmd: list[str], env: dict, log):
     import subprocess
 
-    from my_utils.runs import REPO_ROOT
+    from my_utils.run.results import REPO_ROOT
 
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
@@ -403,8 +403,8 @@ def _number(value, fmt: str) -> str:
 
 def sweep_table(rows: list[dict]) -> str:
     """Every cell's figures, one line per cell (the folder's name says the cell)."""
-    from my_utils.compare import text_table
-    from my_utils.memory import format_bytes
+    from my_utils.core.memory import format_bytes
+    from my_utils.tools.compare import text_table
 
     header = ["cell", "scale", "trainable", "adapter", "peak memory", "runtime", "held-out loss", "final train loss",
               "exact match"]
@@ -420,7 +420,7 @@ def sweep_table(rows: list[dict]) -> str:
 def tradeoffs(rows: list[dict], noise: float = 0.05) -> list[str]:
     """What a larger rank costs and buys, each sentence computed from ``rows`` (cells that differ only in rank).
     ``noise``: the held-out loss difference between two seeds of one cell; closer losses count as equal."""
-    from my_utils.memory import format_bytes
+    from my_utils.core.memory import format_bytes
 
     rows = sorted(rows, key=lambda r: r["rank"])
     if len(rows) < 2:
@@ -464,8 +464,8 @@ def tradeoffs(rows: list[dict], noise: float = 0.05) -> list[str]:
 def plot_costs(rows: list[dict], out: str | Path) -> list[Path]:
     """Two figures in ``out`` for cells that differ only in rank: every rank's loss curve, and each measured figure
     against the rank (parameters and adapter size on log-log axes, the rest from zero, so that ratios read true)."""
-    from my_utils.memory import MiB
-    from my_utils.plots import new_figure, save
+    from my_utils.core.memory import MiB
+    from my_utils.core.plots import new_figure, save
 
     out = Path(out)
     rows = sorted(rows, key=lambda r: r["rank"])
@@ -522,7 +522,7 @@ def scaling_lines(rows: list[dict], rules: dict) -> dict[str, list[dict]]:
 
 def scaling_table(lines: dict[str, list[dict]]) -> str:
     """Held-out loss (and the update's scale) at every rank, one column per scaling rule."""
-    from my_utils.compare import text_table
+    from my_utils.tools.compare import text_table
 
     ranks = sorted({r["rank"] for line in lines.values() for r in line})
     table = []
@@ -554,7 +554,7 @@ def scaling_findings(lines: dict[str, list[dict]]) -> list[str]:
 
 def plot_scaling(lines: dict[str, list[dict]], out: str | Path) -> Path:
     """Held-out loss against the rank, one line per scaling rule (the loss axis from zero)."""
-    from my_utils.plots import new_figure, save
+    from my_utils.core.plots import new_figure, save
 
     fig = new_figure(7, 4)
     ax = fig.add_subplot()
@@ -598,7 +598,7 @@ def best_rate(curve: list[dict]) -> tuple[float, dict, bool]:
 
 def learning_rate_table(curves: dict[str, list[dict]]) -> str:
     """Held-out loss at every rate tried (the lowest of each line starred) and the interpolated best rate."""
-    from my_utils.compare import text_table
+    from my_utils.tools.compare import text_table
 
     rates = sorted({r["learning_rate"] for curve in curves.values() for r in curve})
     table = []
@@ -638,7 +638,7 @@ def learning_rate_findings(curves: dict[str, list[dict]], published_ratio: float
 def plot_learning_rates(curves: dict[str, list[dict]], out: str | Path) -> Path:
     """Held-out loss against the learning rate, one line per group (full fine-tuning dashed), each best rate marked
     by a dotted line; the loss axis from zero."""
-    from my_utils.plots import new_figure, save
+    from my_utils.core.plots import new_figure, save
 
     fig = new_figure(7, 4)
     ax = fig.add_subplot()
@@ -732,7 +732,7 @@ def _literal(text: str):
 def parse_args(argv=None) -> tuple[SweepSpec, Path, int]:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m my_utils.sweep", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m my_utils.tools.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", type=Path, help="a JSON file with preset, grids, args (the options below override it)")
     p.add_argument("--preset", help="tiny (CPU, offline), gpt2, opt-350m (default: tiny)")
@@ -771,6 +771,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
     run_main(main, prefix="sweep")

@@ -108,7 +108,7 @@ def check_device_map(device_map, world_size: int) -> None:
     if world_size > 1 and (device_map == "auto" or (isinstance(device_map, dict) and len(set(device_map.values())) > 1)):
         raise UserError(
             f'device_map={device_map!r} spreads one model over several devices, which cannot be combined with '
-            f"{world_size} data-parallel processes; use my_utils.devices.per_rank_device_map() instead."
+            f"{world_size} data-parallel processes; use my_utils.core.devices.per_rank_device_map() instead."
         )
 
 

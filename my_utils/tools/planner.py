@@ -40,7 +40,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from my_utils import UserError
-from my_utils.memory import GiB, MiB, format_bytes
+from my_utils.core.memory import GiB, MiB, format_bytes
 
 METHODS = ("full", "lora", "qlora")
 DTYPES = {"fp32": 4, "bf16": 2}
@@ -114,7 +114,7 @@ def architecture(preset: str, role: str | None = None) -> Architecture:
     """The preset's model (causal LM, else classifier) built from its shipped config on the meta device."""
     from transformers import AutoConfig
 
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
 
     p = get_preset(preset)
     role = role or ("causal" if p.causal_model else "classifier")
@@ -334,9 +334,9 @@ def plan(preset: str, method: str = "lora", *, rank: int = 8, targets=None, batc
     padded sequence length (default: the preset's max_length); ``device`` is 'cuda' or 'cpu' (see
     ``layer_activations``).
     """
-    from my_utils.models import check_lora_args
-    from my_utils.presets import get_preset
-    from my_utils.training import check_positive
+    from my_utils.core.models import check_lora_args
+    from my_utils.core.presets import get_preset
+    from my_utils.run.config import check_positive
 
     p = get_preset(preset)
     method, quantize = _method(method, quantize)
@@ -439,9 +439,9 @@ def _method(method: str, quantize: str | None) -> tuple[str, str]:
 def longest_example(preset: str, max_length: int | None = None) -> int:
     """Tokens in the preset's longest training example: what dynamic padding pads a batch to, at most (the
     ``seq`` to plan with for the shipped data)."""
-    from my_utils.data import load_instructions, tokenize_instructions
-    from my_utils.models import load_tokenizer
-    from my_utils.presets import get_preset
+    from my_utils.core.data import load_instructions, tokenize_instructions
+    from my_utils.core.models import load_tokenizer
+    from my_utils.core.presets import get_preset
 
     p = get_preset(preset)
     rows, _ = load_instructions(p.instruction_data)
@@ -464,10 +464,10 @@ def measure_baseline_rss(quantize: str = "none") -> int:
         + "layer = torch.nn.Linear(64, 64)\n"
         + "torch.optim.AdamW(layer.parameters(), fused=True).zero_grad()\n"
         + "layer(torch.randn(8, 64)).sum().backward()\n"
-        + "from my_utils.memory import process_rss\n"
+        + "from my_utils.core.memory import process_rss\n"
         + "print(process_rss())\n"
     )
-    from my_utils.launch import clean_env
+    from my_utils.run.launch import clean_env
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), check=True)
     return int(out.stdout.strip().splitlines()[-1])
@@ -552,7 +552,7 @@ def device_memory(name: str) -> tuple[str, float]:
 
 
 def render(p: Plan, limit: float | None = None, limit_name: str = "") -> str:
-    from my_utils.compare import text_table
+    from my_utils.tools.compare import text_table
 
     rows = [[part, format_bytes(size), how] for part, size, how in p.parts()]
     rows.append(["peak per process", format_bytes(p.peak), f"x {p.processes} process(es), one per device"
@@ -569,7 +569,7 @@ def render(p: Plan, limit: float | None = None, limit_name: str = "") -> str:
 def main(argv=None) -> Plan:
     import argparse
 
-    from my_utils.presets import PRESETS
+    from my_utils.core.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="python -m my_utils plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

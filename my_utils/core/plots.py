@@ -1,7 +1,7 @@
 """Figures from results folders, saved as PNG: loss curves, peak memory per device, speedup against the ideal.
 
-    from my_utils.compare import compare
-    from my_utils import plots
+    from my_utils.tools.compare import compare
+    from my_utils.core import plots
     c = compare("runs/run_1_cpu_x2")
     plots.loss_curves(c.runs, c.labels, "loss.png")
 
@@ -15,7 +15,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from my_utils.memory import MiB, peak_bytes
+from my_utils.core.memory import MiB, peak_bytes
 
 
 def new_figure(width: float = 7.0, height: float = 4.0):

@@ -8,7 +8,7 @@ Traps caught here, each with one sentence before anything starts:
 - more processes than devices (GPUs, or cores on a CPU);
 - a port already taken (a free one is picked).
 
-    from my_utils.launch import launch, accelerate_command
+    from my_utils.run.launch import launch, accelerate_command
     launch(train, cfg, num_processes=2)            # in a notebook
     accelerate_command("my_utils.workflows.lora", ["--preset", "tiny"], config_file="configs/cpu_x2.yaml")
 """
@@ -24,20 +24,20 @@ from pathlib import Path
 
 from my_utils import UserError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Modules that initialise a device or import bitsandbytes when imported; they must stay inside the function.
 LAUNCH_UNSAFE_MODULES = ("bitsandbytes", "peft", "trl", "transformers.trainer")
 
 
 def is_cpu_only() -> bool:
-    from my_utils.devices import cuda_available
+    from my_utils.core.devices import cuda_available
 
     return not cuda_available()
 
 
 def max_processes() -> int:
     """How many processes this machine can usefully run: its GPUs, or its CPU cores without GPUs."""
-    from my_utils.devices import usable_cores
+    from my_utils.core.devices import usable_cores
 
     if is_cpu_only():
         return usable_cores()
@@ -172,7 +172,7 @@ def accelerate_command(module: str, args: list[str], *, num_processes: int = 1, 
 
 def stray_config_note() -> str | None:
     """A note when a user-level accelerate default config exists: the course's commands never read it."""
-    from my_utils.env import accelerate_default_config
+    from my_utils.tools.env import accelerate_default_config
 
     stray = accelerate_default_config()
     if stray is None:

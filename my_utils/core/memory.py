@@ -4,7 +4,7 @@ On CUDA the numbers come from the caching allocator; on a CPU from the kernel: r
 now and its high-water mark, which ``reset_peak`` resets through ``/proc/self/clear_refs`` so that a
 peak belongs to one phase only. Touches CUDA only when CUDA was asked for.
 
-    from my_utils.memory import reset_peak, snapshot
+    from my_utils.core.memory import reset_peak, snapshot
     reset_peak("cpu"); ...; print(snapshot("cpu"))
 """
 

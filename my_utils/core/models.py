@@ -3,7 +3,7 @@ inside the functions that need them (so ``import my_utils`` stays light and laun
 
 LoRA to QLoRA is one argument: ``build_causal_lm(preset, quantize="4bit")``.
 
-    from my_utils.models import build_causal_lm, add_lora, count_parameters
+    from my_utils.core.models import build_causal_lm, add_lora, count_parameters
     model = add_lora(build_causal_lm(get_preset("tiny")), rank=8)
 """
 
@@ -14,13 +14,9 @@ import os
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.presets import Preset
+from my_utils.core.presets import Preset
 
 QUANTIZE_CHOICES = ("none", "8bit", "4bit")
-
-
-def _local(model_id: str) -> bool:
-    return Path(model_id).is_dir()
 
 
 def load_tokenizer(preset: Preset, role: str = "causal", *, trust_remote_code: bool = False):
@@ -193,14 +189,6 @@ def folder_size(path: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
-def save_model(model, path: str | Path, tokenizer=None) -> int:
-    """Save weights as safetensors (adapter only for a peft model); returns bytes written."""
-    model.save_pretrained(path, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    return folder_size(path)
-
-
 def weights_bytes(model) -> int:
     """Bytes held by the model's parameters and buffers, as stored (quantized weights count as stored)."""
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
@@ -210,7 +198,7 @@ def set_threads(n: int | None = None) -> int:
     """Use ``n`` intra-op threads (default: OMP_NUM_THREADS, else all usable cores divided by local world size)."""
     import torch
 
-    from my_utils.devices import usable_cores
+    from my_utils.core.devices import usable_cores
 
     if n is None:
         env = os.environ.get("OMP_NUM_THREADS")

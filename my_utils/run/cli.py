@@ -18,7 +18,7 @@ def format_summary(summary: dict) -> str:
 
 def run_main(body, prefix: str = "my_utils"):
     """Run ``body()``; print its summary on rank 0; turn UserError into a one-line message and exit 2."""
-    from my_utils.printing import print0
+    from my_utils.core.printing import print0
 
     try:
         summary = body()

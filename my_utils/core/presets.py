@@ -19,7 +19,7 @@ from pathlib import Path
 
 from my_utils import UserError
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,11 @@ the ratio would be if every process had its cores to itself, an estimate that ne
 
 The pieces that run in fresh processes are commands of this module (usable alone, each writes a results folder):
 
-    python -m my_utils.bench run-course --preset tiny --output-dir DIR ...   # the LoRA workflow, Trainer.train timed
-    python -m my_utils.bench run-loop --preset tiny --method lora --output-dir DIR     # the bare loop
-    python -m my_utils.bench run-sft --preset tiny --output-dir DIR                    # stock SFTTrainer
-    python -m my_utils.bench run-step --preset gpt2 --method full --output-dir DIR     # one measured step
-    python -m my_utils.bench run-mfu --preset tiny --output-dir DIR                    # matmul peak and MFU
+    python -m my_utils.tools.bench run-course --preset tiny --output-dir DIR ...   # the LoRA workflow, Trainer.train timed
+    python -m my_utils.tools.bench run-loop --preset tiny --method lora --output-dir DIR     # the bare loop
+    python -m my_utils.tools.bench run-sft --preset tiny --output-dir DIR                    # stock SFTTrainer
+    python -m my_utils.tools.bench run-step --preset gpt2 --method full --output-dir DIR     # one measured step
+    python -m my_utils.tools.bench run-mfu --preset tiny --output-dir DIR                    # matmul peak and MFU
 
 Model FLOPs (``model_flops_per_token``), per token of a sequence of length s, with N the weights of every
 matrix multiplication (linear layers and the output layer; embedding lookups cost nothing), N_a the LoRA
@@ -69,7 +69,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.runs import REPO_ROOT, RUNS_ROOT, Run, read_json, unique_dir
+from my_utils.run.results import REPO_ROOT, RUNS_ROOT, Run, read_json, unique_dir
 
 BENCH_ROOT = RUNS_ROOT / "bench"
 BENCHMARKS = ("overhead", "trainer", "ddp", "memory", "mfu")
@@ -113,8 +113,8 @@ def quick_settings(s: Settings) -> Settings:
 def bench_env(s: Settings, threads: int | None = None) -> dict:
     """The environment of every measured process: offline as configured, ``threads`` intra-op threads, one
     precision for every run (the LoRA workflow and the bare loop both read ACCELERATE_MIXED_PRECISION)."""
-    from my_utils.launch import clean_env
-    from my_utils.sweep import STEADY_MEMORY_ENV
+    from my_utils.run.launch import clean_env
+    from my_utils.tools.sweep import STEADY_MEMORY_ENV
 
     threads = threads or s.threads
     return clean_env(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
@@ -122,7 +122,7 @@ def bench_env(s: Settings, threads: int | None = None) -> dict:
 
 
 def python_command(*args) -> list[str]:
-    return [sys.executable, "-m", "my_utils.bench", *map(str, args)]
+    return [sys.executable, "-m", "my_utils.tools.bench", *map(str, args)]
 
 
 def run_logged(cmd: list[str], log: Path, env: dict, ok_codes=(0,)) -> None:
@@ -172,7 +172,7 @@ def ratio_row(benchmark: str, figure: str, measured: str, baseline: str, ratio: 
 
 def render_table(rows: list[dict], markdown: bool = False) -> str:
     """The ratio rows as a text table (terminal) or a markdown one (README)."""
-    from my_utils.compare import markdown_table, text_table
+    from my_utils.tools.compare import markdown_table, text_table
 
     def verdict(r):
         return "-" if r["target"] is None else f"{r['target']} {'met' if r['met'] else 'MISSED'}"
@@ -203,7 +203,7 @@ def logging_steps(steps: int) -> int:
 
 
 def preset_batch(s: Settings) -> int:
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
 
     return s.batch_size or get_preset(s.preset).batch_size
 
@@ -226,7 +226,7 @@ def course_figures(out: Path) -> dict:
 
 
 def _metrics(out: Path) -> list[dict]:
-    from my_utils.runs import load_run
+    from my_utils.run.results import load_run
 
     return load_run(out)["metrics"]
 
@@ -320,17 +320,12 @@ def trajectory_gap(measured: list[dict], baseline: list[dict]) -> float:
     return max(abs(a / b - 1) for a, b in zip(*curves))
 
 
-def late_loss(losses: list[float]) -> float:
-    """Mean of the logged training losses over the last half of training."""
-    return statistics.fmean(losses[len(losses) // 2:])
-
-
 def process_scaling(folder: Path, command, figures, repeats: int, env: dict, desc: str) -> dict:
     """Alternate 1-process and 2-process runs of one workflow: ``command(processes, out)`` builds a run's command
     line, ``figures(out)`` reads from its results folder the ``world_size`` its workers saw, its ``rate``
     (samples/s, tokens/s...) and ``cpu_rate`` (the same per CPU-second of its busiest process). Returns both
     configurations' figures, the ratio of median rates (2 processes over 1) and the same from CPU time."""
-    from my_utils.launch import check_process_count
+    from my_utils.run.launch import check_process_count
 
     check_process_count(2)
     runs = alternate({"x1": lambda out: command(1, out), "x2": lambda out: command(2, out)}, repeats, folder, env, desc)
@@ -344,12 +339,12 @@ def process_scaling(folder: Path, command, figures, repeats: int, env: dict, des
 
 def bench_ddp(s: Settings, folder: Path):
     """The LoRA workflow on 2 processes x 1 thread against 1 process x 1 thread, same global batch."""
-    from my_utils.launch import accelerate_command
+    from my_utils.run.launch import accelerate_command
 
     global_batch = 2 * preset_batch(s)
 
     def command(processes, out):
-        return accelerate_command("my_utils.bench", ["run-course", *course_args(
+        return accelerate_command("my_utils.tools.bench", ["run-course", *course_args(
             s, out, global_batch // processes, num_processes=processes)], num_processes=processes)
 
     def figures(out):
@@ -368,7 +363,7 @@ def bench_memory(s: Settings, folder: Path):
     weights against bf16."""
     from tqdm.auto import tqdm
 
-    from my_utils.devices import usable_cores
+    from my_utils.core.devices import usable_cores
 
     env = bench_env(s, threads=usable_cores())  # one process at a time: memory is measured, time is secondary
     configs = {f"{method}{'_ckpt' if ckpt else ''}": (method, ckpt) for ckpt in (False, True) for method in ("full", "lora")}
@@ -452,7 +447,7 @@ def run_benchmark(name: str, s: Settings, argv: list[str]) -> tuple[Path, list[d
 
 
 def _devices() -> list[dict]:
-    from my_utils.devices import device_inventory
+    from my_utils.core.devices import device_inventory
 
     return device_inventory()
 
@@ -490,10 +485,10 @@ def bare_loop(cfg: LoopConfig) -> dict:
     from transformers import get_scheduler
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    from my_utils.callbacks import TokenCounter
-    from my_utils.data import load_instructions, padding_collator, tokenize_instructions
-    from my_utils.models import add_lora, build_causal_lm, load_tokenizer, set_threads
-    from my_utils.presets import get_preset
+    from my_utils.core.data import load_instructions, padding_collator, tokenize_instructions
+    from my_utils.core.models import add_lora, build_causal_lm, load_tokenizer, set_threads
+    from my_utils.core.presets import get_preset
+    from my_utils.run.callbacks import TokenCounter
 
     preset = get_preset(cfg.preset)
     set_threads()
@@ -677,7 +672,7 @@ def course_main(argv) -> None:
     from accelerate import PartialState
     from transformers import Trainer, TrainerCallback
 
-    from my_utils.runs import atomic_write_json
+    from my_utils.run.results import atomic_write_json
     from my_utils.workflows import lora
 
     cfg = lora.parse_args(argv)
@@ -722,7 +717,7 @@ def _speed_settings(args) -> dict:
 
 def loop_main(argv) -> None:
     """``run-loop``: the bare accelerate + peft loop, into a results folder."""
-    p = argparse.ArgumentParser(prog="python -m my_utils.bench run-loop", description=bare_loop.__doc__)
+    p = argparse.ArgumentParser(prog="python -m my_utils.tools.bench run-loop", description=bare_loop.__doc__)
     _add_fields(p, LoopConfig, choices={"method": ("lora", "full"), "sampling": ("random", "group_by_length")})
     p.add_argument("--output-dir", required=True)
     args = p.parse_args(argv)
@@ -735,7 +730,7 @@ def loop_main(argv) -> None:
 def sft_main(argv) -> None:
     """``run-sft``: stock trl SFTTrainer (SFTConfig's defaults) on the workflow's model, data, batch, steps and
     learning-rate schedule, with LoRA from the same function; training time and tokens measured as the workflow's."""
-    p = argparse.ArgumentParser(prog="python -m my_utils.bench run-sft", description=sft_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m my_utils.tools.bench run-sft", description=sft_main.__doc__)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=40)
@@ -753,11 +748,11 @@ def stock_sft(args) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from my_utils.callbacks import TokenCounter
-    from my_utils.data import format_prompt, load_instructions
-    from my_utils.launch import is_cpu_only
-    from my_utils.models import add_lora, build_causal_lm, load_tokenizer, set_threads
-    from my_utils.presets import get_preset
+    from my_utils.core.data import format_prompt, load_instructions
+    from my_utils.core.models import add_lora, build_causal_lm, load_tokenizer, set_threads
+    from my_utils.core.presets import get_preset
+    from my_utils.run.callbacks import TokenCounter
+    from my_utils.run.launch import is_cpu_only
 
     preset = get_preset(args.preset)
     set_threads()
@@ -795,7 +790,7 @@ def stock_sft(args) -> dict:
 
 def step_main(argv) -> None:
     """``run-step``: one measured training step (memory and time) in this fresh process, into a results folder."""
-    p = argparse.ArgumentParser(prog="python -m my_utils.bench run-step", description=measured_step.__doc__)
+    p = argparse.ArgumentParser(prog="python -m my_utils.tools.bench run-step", description=measured_step.__doc__)
     p.add_argument("--preset", default="gpt2", help="architecture, built with random weights from its config")
     p.add_argument("--method", choices=("lora", "full"), default="lora")
     p.add_argument("--batch", type=int, default=4)
@@ -820,11 +815,11 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
 
     import torch
 
-    from my_utils.callbacks import SavedActivations, gradient_bytes, model_weight_bytes, optimizer_state_bytes
-    from my_utils.devices import per_rank_device
-    from my_utils.memory import peak_bytes, reset_peak, snapshot
-    from my_utils.models import add_lora, build_causal_lm, set_threads
-    from my_utils.presets import get_preset
+    from my_utils.core.devices import per_rank_device
+    from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+    from my_utils.core.models import add_lora, build_causal_lm, set_threads
+    from my_utils.core.presets import get_preset
+    from my_utils.run.callbacks import SavedActivations, gradient_bytes, model_weight_bytes, optimizer_state_bytes
 
     preset = get_preset(preset_name)
     set_threads()
@@ -882,7 +877,7 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
 
 def mfu_main(argv) -> None:
     """``run-mfu``: the matmul peak, LoRA and full fine-tuning loops on random-token blocks, the peak again."""
-    p = argparse.ArgumentParser(prog="python -m my_utils.bench run-mfu", description=mfu_main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m my_utils.tools.bench run-mfu", description=mfu_main.__doc__)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=20, help=f"timed steps of each loop (after {WARMUP_STEPS} warm-up steps)")
@@ -896,7 +891,7 @@ def measure_mfu(args) -> dict:
     import torch
     from accelerate import PartialState
 
-    from my_utils.models import set_threads
+    from my_utils.core.models import set_threads
 
     set_threads()
     device = str(PartialState().device)
@@ -926,8 +921,8 @@ def measure_mfu(args) -> dict:
 
 def _recorded_run(output_dir: str, config: dict, body) -> None:
     """Create the results folder, run ``body`` and write its figures as summary.json (failed/interrupted else)."""
-    from my_utils.runs import check_new_run_dir
-    from my_utils.training import recorded
+    from my_utils.run.lifecycle import recorded
+    from my_utils.run.results import check_new_run_dir
 
     run = Run.create(check_new_run_dir(output_dir), config=config)
     with recorded(run):
@@ -956,7 +951,7 @@ WORKERS = {"run-course": course_main, "run-loop": loop_main, "run-sft": sft_main
 
 
 def parse_args(argv=None) -> tuple[list[str], Settings]:
-    from my_utils.devices import native_bf16
+    from my_utils.core.devices import native_bf16
 
     p = argparse.ArgumentParser(prog="python -m my_utils bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -983,7 +978,7 @@ def parse_args(argv=None) -> tuple[list[str], Settings]:
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
         raise UserError(f"Unknown benchmark {unknown[0]!r}; choose from {', '.join(BENCHMARKS)}.")
-    from my_utils.training import check_positive
+    from my_utils.run.config import check_positive
 
     for name in ("steps", "threads", "memory_batch", "memory_seq", "repeats", "batch_size"):
         if getattr(args, name) is not None:
@@ -995,7 +990,7 @@ def parse_args(argv=None) -> tuple[list[str], Settings]:
         raise UserError("This device has no native bf16 arithmetic, so bf16 would only be slower; use --precision "
                         "auto or fp32.")
     bf16 = native_bf16() if args.precision == "auto" else args.precision == "bf16"
-    from my_utils.presets import get_preset
+    from my_utils.core.presets import get_preset
 
     for name in (args.preset, args.memory_preset, args.qlora_preset):
         get_preset(name).require("causal")
@@ -1020,6 +1015,6 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    from my_utils.cli import run_main
+    from my_utils.run.cli import run_main
 
-    run_main(lambda: main(), prefix="my_utils.bench")
+    run_main(lambda: main(), prefix="my_utils.tools.bench")

@@ -7,7 +7,7 @@ character n-gram F-score (chrF) of the answer against the reference. It is compu
 scorer (a formula, no model), so every model and every run is scored by the same judge; scoring a model's
 answers with that model itself (or with a scorer that changes between runs) would make scores incomparable.
 
-    from my_utils.evaluation import answer_quality, chrf
+    from my_utils.core.evaluation import answer_quality, chrf
     chrf("12 + 3 = 15", "12 + 3 = 15")   # 1.0
     answer_quality(model, tokenizer, rows)  # {"exact_match": ..., "similarity": ..., ...}
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from my_utils.data import format_prompt
+from my_utils.core.data import format_prompt
 
 # Recorded in every summary next to the score, so that a comparison can check that the judge was the same.
 SIMILARITY_SCORER = "chrF: character 1- to 6-gram F-score, beta 2, whitespace ignored"

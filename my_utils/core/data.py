@@ -3,7 +3,7 @@
 Instruction data uses the Alpaca schema (``instruction``, ``input``, ``output``); classification data uses
 (``text``, ``label``). Every loader validates its rows so that a bad file stops with one clear sentence.
 
-Run ``python -m my_utils.data`` to print a few formatted examples of the tiny data.
+Run ``python -m my_utils.core.data`` to print a few formatted examples of the tiny data.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from my_utils import UserError
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 TINY_DATA = ASSETS / "tiny" / "data"
 
 INSTRUCTION_COLUMNS = ("instruction", "input", "output")

@@ -3,7 +3,7 @@
 Each call writes one whole line with a single ``write`` so that lines from several processes never
 interleave mid-line. ``print0`` prints on rank 0 only.
 
-    from my_utils.printing import rank_print, print0, install_rank_print
+    from my_utils.core.printing import rank_print, print0, install_rank_print
     restore = install_rank_print()   # every print() now carries "[rank r/w]"
     ...
     restore()                        # back to the builtin print

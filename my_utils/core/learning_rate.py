@@ -1,0 +1,23 @@
+"""Learning-rate rules."""
+
+from __future__ import annotations
+
+import math
+
+from my_utils import UserError
+
+LR_SCALING = ("none", "linear", "sqrt")
+
+
+def scale_learning_rate(base_lr: float, effective_batch: int, base_batch: int, rule: str = "none") -> float:
+    """Scale a learning rate tuned for ``base_batch`` to ``effective_batch`` (= batch x accumulation x processes).
+
+    'linear' multiplies by the batch ratio (Goyal et al., for SGD), 'sqrt' by its square root (often better
+    for Adam), 'none' keeps it.
+    """
+    if rule not in LR_SCALING:
+        raise UserError(f"Unknown learning-rate scaling {rule!r}; choose one of {', '.join(LR_SCALING)}.")
+    ratio = effective_batch / base_batch
+    return base_lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
+
+

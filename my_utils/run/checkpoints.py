@@ -1,0 +1,99 @@
+"""Checkpoints known to be whole: a manifest written after every save, and the newest whole one to resume from."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from my_utils import UserError
+from my_utils.run.results import atomic_write_json, now, read_json, unique_dir
+
+CHECKPOINT_PREFIX = "checkpoint-"  # the Trainer's folder names: checkpoint-<step>
+CHECKPOINT_MANIFEST = "checkpoint_complete.json"  # written last: a checkpoint without it was cut short
+INCOMPLETE_PREFIX = "incomplete-"  # a cut-short checkpoint is renamed, never deleted, and never resumed from
+
+
+def checkpoint_step(folder: str | Path) -> int | None:
+    """The step of a ``checkpoint-<step>`` folder, else None."""
+    m = re.fullmatch(re.escape(CHECKPOINT_PREFIX) + r"(\d+)", Path(folder).name)
+    return int(m.group(1)) if m else None
+
+
+def write_checkpoint_manifest(folder: str | Path) -> None:
+    """Record every file of a finished checkpoint with its size; written last, atomically."""
+    folder = Path(folder)
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != CHECKPOINT_MANIFEST}
+    atomic_write_json(folder / CHECKPOINT_MANIFEST, {"step": checkpoint_step(folder), "written": now(),
+                                                      "files": files})
+
+
+def checkpoint_problem(folder: str | Path) -> str | None:
+    """Why the checkpoint in ``folder`` cannot be resumed from (a few words), or None if it is whole."""
+    folder = Path(folder)
+    try:
+        manifest = read_json(folder / CHECKPOINT_MANIFEST)
+        files = manifest["files"]
+    except FileNotFoundError:
+        return "it was not finished (no manifest)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its manifest is unreadable"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes instead of {size}"
+    if "trainer_state.json" not in files:
+        return "trainer_state.json is missing"
+    for name in files:
+        if name.endswith(".safetensors") and not _safetensors_readable(folder / name):
+            return f"{name} is not a readable safetensors file"
+    return None
+
+
+def _safetensors_readable(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+        return True
+    except Exception:  # safetensors raises its own error types for a damaged header
+        return False
+
+
+def find_resume_checkpoint(checkpoints: str | Path) -> tuple[Path, list[tuple[str, str]]]:
+    """The newest whole checkpoint under ``checkpoints`` and the newer ones passed over, as (name, why).
+
+    Never falls back to a fresh start: no whole checkpoint raises UserError with one sentence.
+    """
+    checkpoints = Path(checkpoints)
+    found = sorted((p for p in checkpoints.glob(CHECKPOINT_PREFIX + "*") if checkpoint_step(p) is not None),
+                   key=checkpoint_step, reverse=True) if checkpoints.is_dir() else []
+    skipped = []
+    for folder in found:
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder, skipped
+        skipped.append((folder.name, problem))
+    if not skipped:
+        raise UserError(f"There is no checkpoint in {checkpoints} to resume from; rerun without --resume "
+                        "and another --output-dir (add --save-steps N to checkpoint every N steps).")
+    name, problem = skipped[0]
+    raise UserError(f"No checkpoint in {checkpoints} can be resumed from ({name}: {problem}); rerun without "
+                    "--resume and another --output-dir.")
+
+
+def set_aside_incomplete(checkpoints: str | Path, names) -> list[str]:
+    """Rename cut-short checkpoints to ``incomplete-checkpoint-<step>`` (kept for inspection, never resumed
+    from, and out of the way of the Trainer, which will save that step again)."""
+    moved = []
+    for name in names:
+        target = unique_dir(Path(checkpoints) / (INCOMPLETE_PREFIX + name))
+        os.replace(Path(checkpoints) / name, target)
+        moved.append(target.name)
+    return moved
+
+

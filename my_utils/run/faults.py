@@ -1,0 +1,243 @@
+"""What a run survives, and how the tests provoke it:
+
+- a rank that dies or hangs: collectives time out after ``--timeout-s`` and the error names the rank that
+  stopped (the live ranks say so in the process group's store; the silent one is named, ``name_stopped_ranks``);
+- the Trainer-facing parts, ``reliability_callbacks`` (checkpoint manifests, a clean stop on SIGTERM) and
+  ``course_trainer_class``; transformers is imported inside them, so importing this module stays light;
+- fault injection for the tests (environment variables, unset in normal runs)::
+
+      COURSE_CRASH_AT_STEP=k     crash at the end of optimizer step k
+      COURSE_CRASH_RANK=r        ... on rank r only (default: every rank)
+      COURSE_CRASH_MODE=m        raise (an exception, default) | exit (os._exit(1), no clean-up) |
+                                 hang (stop responding until killed)
+      COURSE_STEP_DELAY_S=s      sleep s seconds after every step (time for a test to send a signal)
+      COURSE_FAKE_OOM_ABOVE=n    raise torch.OutOfMemoryError in a training forward with more than n rows
+"""
+
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+from my_utils import UserError
+from my_utils.run.checkpoints import CHECKPOINT_PREFIX, write_checkpoint_manifest
+from my_utils.run.lifecycle import _Sigterm
+
+CRASH_AT_STEP = "COURSE_CRASH_AT_STEP"
+CRASH_RANK = "COURSE_CRASH_RANK"
+CRASH_MODE = "COURSE_CRASH_MODE"
+STEP_DELAY = "COURSE_STEP_DELAY_S"
+FAKE_OOM_ABOVE = "COURSE_FAKE_OOM_ABOVE"
+CRASH_MODES = ("raise", "exit", "hang")
+FAILED_KEY = "course/collective_failed/{rank}"  # in the process group's store
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+
+
+class RankFailure(RuntimeError):
+    """Another rank stopped (exited or hung) and a collective on this rank failed or timed out."""
+
+
+def _store():
+    """The process group's key-value store (hosted by the launcher under accelerate launch / torchrun)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _looks_like_a_failed_collective(error: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    return bool(re.search(r"[Gg]loo|NCCL|[Tt]imed? ?out|[Cc]onnection (reset|closed|refused)|by peer", str(error)))
+
+
+def name_stopped_ranks(error: BaseException, world_size: int, timeout_s: float, step: int | None = None,
+                       grace_s: float = 3.0) -> RankFailure | None:
+    """When ``error`` is a failed or timed-out collective: a RankFailure naming the rank(s) that stopped.
+
+    Every rank that is still alive reaches this point through the same failed collective and says so in the
+    process group's store; the ranks that have not said so within ``grace_s`` seconds are the ones that died,
+    hung, or failed with an error of their own. Returns None for any other error.
+    """
+    if world_size < 2 or not _looks_like_a_failed_collective(error):
+        return None
+    import torch.distributed as dist
+
+    store = _store()
+    here = dist.get_rank()
+    stopped = None
+    if store is not None:
+        try:
+            store.set(FAILED_KEY.format(rank=here), "1")
+            deadline = time.monotonic() + grace_s
+            while True:
+                stopped = [r for r in range(world_size) if not store.check([FAILED_KEY.format(rank=r)])]
+                if not stopped or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        except Exception:  # the store went with the process that hosted it: nothing more to learn
+            stopped = None
+    where = f" after step {step}" if step is not None else ""
+    if stopped:
+        who = f"rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} stopped"
+    else:
+        who = "a rank stopped (which one could not be told)"
+    text = str(error).strip()
+    first_line = text.splitlines()[0][:300] if text else type(error).__name__
+    return RankFailure(f"{who}: rank {here} waited for it in a collective{where} that failed or timed out "
+                       f"(--timeout-s {timeout_s:g}): {first_line}")
+
+
+# ---------------------------------------------------------------------------------------------- Trainer parts
+
+
+def course_trainer_class():
+    """``transformers.Trainer`` with two fixes:
+
+    - evaluation sees every row: ``dataloader_drop_last`` keeps training batches whole (the same shapes on
+      every rank), but applied to evaluation it drops the only batch of a small eval set (eval_loss None);
+    - the order of length-grouped batches (``train_sampling_strategy="group_by_length"``) depends only on the
+      seed and the epoch: the Trainer draws it from the global RNG when an epoch starts, a state that a run
+      resumed in the middle of a later epoch cannot recreate, so its batches, and losses, would differ.
+    """
+    import torch
+    from transformers import Trainer
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    class CourseTrainer(Trainer):
+        epoch_order = None  # the generator of the length-grouped order, reseeded for every epoch
+
+        def _get_train_sampler(self, train_dataset=None):
+            sampler = super()._get_train_sampler(train_dataset)
+            if isinstance(sampler, LengthGroupedSampler) and sampler.generator is None:
+                sampler.generator = self.epoch_order = torch.Generator()
+            return sampler
+
+        def _run_epoch(self, **kwargs):
+            if self.epoch_order is not None:
+                seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+                self.epoch_order.manual_seed(seed + kwargs["epoch"])
+            return super()._run_epoch(**kwargs)
+
+        def get_eval_dataloader(self, eval_dataset=None):
+            drop_last, self.args.dataloader_drop_last = self.args.dataloader_drop_last, False
+            try:
+                return super().get_eval_dataloader(eval_dataset)
+            finally:
+                self.args.dataloader_drop_last = drop_last
+
+    return CourseTrainer
+
+
+def install_fake_oom(model) -> bool:
+    """Fault injection: with COURSE_FAKE_OOM_ABOVE=n, a training forward with more than n rows raises
+    torch.OutOfMemoryError (as a GPU would), to test the batch-size back-off. Returns whether it is on."""
+    limit = os.environ.get(FAKE_OOM_ABOVE)
+    if not limit:
+        return False
+    import torch
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if module.training and ids is not None and ids.shape[0] > int(limit):
+            raise torch.OutOfMemoryError(f"Fake out of memory. A batch of {ids.shape[0]} rows is above "
+                                         f"{FAKE_OOM_ABOVE}={limit}.")
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return True
+
+
+def _fault_settings() -> dict:
+    mode = os.environ.get(CRASH_MODE, "raise")
+    if mode not in CRASH_MODES:
+        raise UserError(f"{CRASH_MODE}={mode!r} is not a fault mode; use one of {', '.join(CRASH_MODES)}.")
+    return {
+        "step": int(os.environ[CRASH_AT_STEP]) if os.environ.get(CRASH_AT_STEP) else None,
+        "rank": int(os.environ[CRASH_RANK]) if os.environ.get(CRASH_RANK) else None,
+        "mode": mode,
+        "delay": float(os.environ.get(STEP_DELAY) or 0),
+    }
+
+
+def reliability_callbacks(world_size: int = 1) -> dict:
+    """The Trainer callbacks that make a run survivable, by name:
+
+    - ``manifest``: after every checkpoint save (all ranks done), rank 0 writes the checkpoint's manifest;
+    - ``stop``: a SIGTERM during training stops every rank at the end of the same step, with a checkpoint
+      (``.stopped`` is then True: raise KeyboardInterrupt after ``trainer.train()`` returns);
+    - ``faults``: the fault-injection hooks when a COURSE_* variable asks for one, else absent.
+    """
+    import torch
+    from accelerate import PartialState
+    from transformers import TrainerCallback
+
+    state = PartialState()
+    faults = _fault_settings()
+
+    class CheckpointManifest(TrainerCallback):
+        def on_save(self, args, trainer_state, control, **kwargs):
+            state.wait_for_everyone()  # every rank has written its RNG state
+            if state.is_main_process:
+                folder = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}{trainer_state.global_step}"
+                write_checkpoint_manifest(folder)
+            state.wait_for_everyone()
+
+    class StopOnSigterm(TrainerCallback):
+        stopped = False
+
+        def on_train_begin(self, args, trainer_state, control, **kwargs):
+            _Sigterm.deferrable = True
+            if _Sigterm.requested:  # it came before training started: stop at once
+                raise KeyboardInterrupt("SIGTERM")
+
+        def on_step_end(self, args, trainer_state, control, **kwargs):
+            requested = _Sigterm.requested
+            if world_size > 1:  # stop together: a rank that got the signal a step later must not be left alone
+                flag = torch.tensor([int(requested)], device=state.device)
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+                requested = bool(flag.item())
+            if requested:
+                _Sigterm.requested = True
+                self.stopped = True
+                control.should_save = True
+                control.should_training_stop = True
+            return control
+
+        def on_train_end(self, args, trainer_state, control, **kwargs):
+            _Sigterm.deferrable = False
+            if _Sigterm.requested and not self.stopped:  # it came after the last step: no step left to stop at
+                raise KeyboardInterrupt("SIGTERM")
+
+    class InjectFaults(TrainerCallback):
+        def on_step_end(self, args, trainer_state, control, **kwargs):
+            if faults["delay"]:
+                time.sleep(faults["delay"])
+            if trainer_state.global_step != faults["step"] or faults["rank"] not in (None, state.process_index):
+                return
+            where = f"at step {faults['step']} on rank {state.process_index} ({CRASH_AT_STEP})"
+            print(f"fault injection: {faults['mode']} {where}", file=sys.stderr, flush=True)
+            if faults["mode"] == "exit":
+                os._exit(1)
+            if faults["mode"] == "hang":
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # unresponsive: only killing it ends it
+                while True:
+                    time.sleep(60)
+            raise RuntimeError(f"injected crash {where}")
+
+    callbacks = {"manifest": CheckpointManifest(), "stop": StopOnSigterm()}
+    if faults["step"] is not None or faults["delay"]:
+        callbacks["faults"] = InjectFaults()
+    return callbacks

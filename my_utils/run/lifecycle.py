@@ -1,0 +1,184 @@
+"""A run's life, on every rank: open (or reopen, to resume) its results folder from rank 0 and agree on it, and
+turn its outcome into its status.
+
+SIGTERM (a scheduler preempting the job; ``accelerate launch`` forwards it to every worker) interrupts the run,
+or, while a Trainer can stop cleanly (``my_utils.run.faults.reliability_callbacks``), stops every rank at the end
+of the current step with a checkpoint; either way the run ends ``interrupted`` with a non-zero exit.
+"""
+
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from my_utils import UserError
+from my_utils.run.checkpoints import checkpoint_step, find_resume_checkpoint, set_aside_incomplete
+from my_utils.run.results import Run, check_new_run_dir, now, read_json, redact_secrets, unique_dir
+
+
+def _agree(state, outcome: list) -> list:
+    """Rank 0's ``outcome`` on every rank."""
+    from accelerate.utils import broadcast_object_list
+
+    if state.num_processes > 1:
+        broadcast_object_list(outcome)
+    return outcome
+
+
+def open_run(path: str | Path | None, default: str | Path, config: dict, **fields) -> tuple[Run | None, Path]:
+    """Create the results folder on rank 0 and agree on it across ranks.
+
+    ``path`` None picks ``default`` (or ``default_2``... if taken); an explicit path that exists is refused on
+    every rank with the same sentence, and nothing is written. Returns (the Run on rank 0 or None elsewhere,
+    the agreed folder).
+    """
+    from accelerate import PartialState
+
+    state = PartialState()
+    outcome = [None, None]  # [path, error]
+    if state.is_main_process:
+        try:
+            target = check_new_run_dir(path) if path else unique_dir(default)
+            run = Run.create(target, config=config, **fields)
+            outcome = [str(target), None]
+        except UserError as e:
+            outcome = [None, str(e)]
+        except OSError as e:  # e.g. no space or no permission: every rank must hear of it, not only this one
+            outcome = [None, f"Results folder {path or default} cannot be created ({e.strerror or e}); choose "
+                       "another --output-dir."]
+    _agree(state, outcome)
+    if outcome[1]:
+        raise UserError(outcome[1])
+    return (run if state.is_main_process else None), Path(outcome[0])
+
+
+
+def check_resumable(run_dir: str | Path, config: dict, may_differ=()) -> dict:
+    """Before resuming: the folder is a results folder that did not complete and was started with the same
+    settings (except the keys in ``may_differ``). Returns its run.json."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").is_file():
+        raise UserError(f"There is no results folder at {run_dir} to resume; check --output-dir or drop --resume.")
+    try:
+        info = read_json(run_dir / "run.json")
+    except (OSError, ValueError):
+        raise UserError(f"{run_dir / 'run.json'} is unreadable, so the run cannot be resumed; start a new run "
+                        "with another --output-dir.") from None
+    if info.get("status") == "complete":
+        raise UserError(f"The run in {run_dir} is already complete; there is nothing to resume.")
+    recorded_config = info.get("config") or {}
+    for key, value in config.items():
+        if key in may_differ or key not in recorded_config:
+            continue
+        old = recorded_config[key]
+        if _comparable(old) != _comparable(value):
+            flag = "--" + key.replace("_", "-")
+            raise UserError(f"The run in {run_dir} was started with {flag} {old!r}, not {value!r}; resume with "
+                            "the same settings, or start a new run with another --output-dir.")
+    return info
+
+
+def _comparable(value):
+    """Config values as run.json stores them (tuples come back as lists)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_size: int,
+               command: list[str] | None = None) -> tuple[Run | None, Path, Path]:
+    """Continue the results folder ``run_dir`` from the newest whole checkpoint in its ``checkpoints`` folder.
+
+    Rank 0 picks the checkpoint (``find_resume_checkpoint``: one sentence and nothing changed when there is
+    none), sets aside the newer ones that were cut short, keeps the metrics rows up to the checkpoint's step
+    (the resumed run logs the later steps again), and puts run.json back to ``running`` with the resume
+    recorded under ``resumes``. Every rank must call it; returns (the Run on rank 0 or None elsewhere, the
+    folder, the checkpoint).
+    """
+    from accelerate import PartialState
+
+    state = PartialState()
+    run_dir = Path(run_dir)
+    outcome = [None, None]  # [checkpoint, error]
+    if state.is_main_process:
+        try:
+            info = read_json(run_dir / "run.json")
+            recorded_world = info.get("world_size")
+            if recorded_world is not None and recorded_world != world_size:
+                raise UserError(f"The run in {run_dir} trained on {recorded_world} process(es), not {world_size}; "
+                                "resume it with the same number of processes.")
+            checkpoint, skipped = find_resume_checkpoint(run_dir / checkpoints)
+            for name, problem in skipped:
+                print(f"passing over {name}: {problem}", file=sys.stderr, flush=True)
+            moved = set_aside_incomplete(checkpoint.parent, [name for name, _ in skipped])
+            step = checkpoint_step(checkpoint)
+            run = Run(run_dir)
+            run.keep_metrics_until(step)
+            resume = {"started": now(), "from_checkpoint": checkpoint.relative_to(run_dir).as_posix(),
+                      "from_step": step, "previous_status": info.get("status"),
+                      "previous_error": info.get("error"), "set_aside": moved,
+                      "command": redact_secrets(command if command is not None
+                                                else [os.path.basename(sys.argv[0]), *sys.argv[1:]])}
+            run.update(status="running", finished=None, error=None, resumes=[*info.get("resumes", []), resume])
+            outcome = [str(checkpoint), None]
+        except UserError as e:
+            outcome = [None, str(e)]
+    _agree(state, outcome)
+    if outcome[1]:
+        raise UserError(outcome[1])
+    return (run if state.is_main_process else None), run_dir, Path(outcome[0])
+
+
+# ---------------------------------------------------------------------------------------------- signals
+
+
+class _Sigterm:
+    """What the SIGTERM handler installed by ``recorded`` does: interrupt at once, or, while a Trainer can
+    stop cleanly (``StopOnSigterm`` is active), ask it to stop after the current step."""
+
+    deferrable = False
+    requested = False
+
+
+def _on_sigterm(signum, frame):
+    if _Sigterm.deferrable and not _Sigterm.requested:
+        _Sigterm.requested = True
+        print("SIGTERM: stopping after this step and saving a checkpoint (send it again to stop at once)",
+              file=sys.stderr, flush=True)
+        return
+    raise KeyboardInterrupt("SIGTERM")
+
+
+@contextmanager
+def recorded(run: Run | None):
+    """Mark ``run`` failed (exception) or interrupted (Ctrl-C, SIGTERM) if the body does not finish.
+
+    SIGTERM becomes KeyboardInterrupt (or, during training with ``reliability_callbacks``, a clean stop with a
+    checkpoint, then KeyboardInterrupt) so that a preempted job leaves status 'interrupted' and no
+    half-written summary, then exits non-zero.
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+    _Sigterm.requested = False
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (e.g. some notebook launch paths): keep the default
+        previous = None
+    try:
+        yield run
+    except KeyboardInterrupt as e:
+        if run is not None:
+            run.fail(f"interrupted: {e}", status="interrupted")
+        raise
+    except BaseException as e:
+        if run is not None:
+            run.fail(redact_secrets(f"{type(e).__name__}: {e}"))  # an error may quote a URL or setting
+        raise
+    finally:
+        _Sigterm.deferrable = False
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
