@@ -1,7 +1,7 @@
 """``python -m my_utils <command>``: demo, compare, plan, env, sweep, bench. ``--help`` lists them; ``<command> --help``
 explains one.
 
-    python -m my_utils compare runs/run_1_cpu_x2 --out comparison/
+    python -m my_utils compare runs/run_1_cpu_x2 --output-dir comparison/
     python -m my_utils plan --preset opt-350m --method qlora --device T4
 """
 
@@ -18,7 +18,8 @@ def main(argv=None) -> None:
         "compare": ("tables and plots from results folders", "my_utils.tools.compare"),
         "plan": ("predict a training run's peak memory per device, and whether it fits", "my_utils.tools.planner"),
         "env": ("devices, versions and the accelerate config in use", "my_utils.tools.env"),
-        "sweep": ("a LoRA rank sweep, one fresh process per rank; finished ranks are skipped", "my_utils.tools.sweep"),
+        "sweep": ("a grid of LoRA runs (rank, alpha, learning rate, targets...), one fresh process per cell; finished "
+                  "cells are skipped", "my_utils.tools.sweep"),
         "bench": ("benchmarks of the course's defaults against the usual alternatives, as ratios", "my_utils.tools.bench"),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:

@@ -82,7 +82,7 @@ def test_complete_loop_on_two_processes_resumes_where_it_stopped(tmp_path, subpr
     common = ["--preset", "tiny", "--max-steps", "4", "--grad-accum", "2", "--batch-size", "2", "--max-length", "32"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     module = f"{PACKAGE}.step6_tracking"
-    _launch(module, [*common, "--save-every", "2", "--output-dir", straight], subprocess_env)
+    _launch(module, [*common, "--save-steps", "2", "--output-dir", straight], subprocess_env)
     _launch(module, [*common, "--resume-from", straight / "checkpoints" / "step_2", "--output-dir", resumed],
             subprocess_env)
 

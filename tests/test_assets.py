@@ -1,6 +1,6 @@
 """The shipped ``tiny`` assets and real-model configs: data regenerates identically and is well formed, the
-held-out families stay out of pretraining, the tokenizer and both tiny models load offline, and the three real
-configs build with the published parameter counts."""
+held-out families stay out of pretraining, the tokenizer and both tiny models load offline, and the real configs
+build with the published parameter counts."""
 
 import importlib.util
 import json
@@ -141,6 +141,7 @@ def test_bag_of_words_loss_targets_the_texts_own_words_by_weight():
         ("gpt2", AutoModelForCausalLM, 124_439_808),
         ("opt-350m", AutoModelForCausalLM, 331_196_416),
         ("roberta-large", AutoModelForSequenceClassification, 355_361_794),
+        ("smollm2-135m", AutoModelForCausalLM, 134_515_008),
     ],
 )
 def test_real_configs_build_offline_with_published_sizes(name, auto_class, expected):
@@ -159,3 +160,21 @@ def test_gpt2_lora_on_c_attn_has_the_textbook_parameter_count():
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["c_attn"], fan_in_fan_out=True))
     trainable, _ = model.get_nb_trainable_parameters()
     assert trainable == 294_912  # 12 layers x r x (768 + 3 x 768)
+
+
+def test_smollm2_config_is_the_published_llama():
+    """The shipped config.json is SmolLM2-135M's as published: a Llama with grouped-query attention (9 query and 3
+    key/value heads), a SwiGLU MLP, RMSNorm and tied embeddings; the output layer shares the embedding's weight."""
+    config = AutoConfig.from_pretrained(CONFIGS / "smollm2-135m")
+    assert config.architectures == ["LlamaForCausalLM"] and config.model_type == "llama"
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.vocab_size) == \
+        (30, 576, 1536, 49152)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.hidden_act) == (9, 3, "silu")
+    assert config.tie_word_embeddings and config.max_position_embeddings == 8192
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert type(model.model.norm).__name__ == "LlamaRMSNorm"
+    attention = model.model.layers[0].self_attn
+    assert (attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features) == \
+        (576, 192, 192)

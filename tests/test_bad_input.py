@@ -7,6 +7,7 @@ accelerate config is ignored with a note, secrets never reach run.json, remote c
 ``torch.load`` is restricted to tensors.
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -17,10 +18,12 @@ from pathlib import Path
 import pytest
 
 from my_utils import UserError
+from my_utils.core.adapters import AdapterSpec
+from my_utils.core.presets import get_preset
 from my_utils.run import launch
 from my_utils.run.launch import REPO_ROOT
 from my_utils.run.results import REDACTED, Run
-from my_utils.tools.env import accelerate_default_config
+from my_utils.run.launch import accelerate_default_config
 from my_utils.workflows import lora
 
 TINY_TRAIN = REPO_ROOT / "assets" / "tiny" / "data" / "instructions_train.jsonl"
@@ -106,11 +109,22 @@ def test_resume_without_a_checkpoint_stops_and_leaves_the_folder_as_it_was(tmp_p
 # ------------------------------------------------------------------------------------------ Python API
 
 
+ADAPTER_FIELDS = {f.name for f in dataclasses.fields(AdapterSpec)}
+
+
+def lora_config(**changes) -> lora.Config:
+    """The LoRA workflow's Config with ``changes``; the adapter's fields (rank, alpha, targets...) go into its
+    AdapterSpec, as their flags do."""
+    adapter = {key: changes.pop(key) for key in list(changes) if key in ADAPTER_FIELDS}
+    return lora.Config(**changes, **({"adapter": AdapterSpec(**adapter)} if adapter else {}))
+
+
 def check(tmp_path, **changes):
     """What ``train`` runs before it opens the results folder; the folder must not appear."""
-    cfg = lora.Config(**{"output_dir": str(tmp_path / "out"), **changes})
+    cfg = lora_config(**{"output_dir": str(tmp_path / "out"), **changes})
     try:
-        lora.load_inputs(cfg, lora.validate(cfg), world_size=1)
+        preset = lora.validate(cfg)
+        lora.load_inputs(lora.resolve(cfg, preset, 1), preset, world_size=1)
     finally:
         assert not (tmp_path / "out").exists()
 
@@ -186,10 +200,10 @@ def test_more_processes_than_cores_is_refused(tmp_path, monkeypatch):
         check(tmp_path, num_processes=3)
 
 
-def _finished_run(path: Path, status: str, **config) -> Path:
-    # as a real run records it: "auto" precision settled to what this machine runs
-    recorded = lora.Config(output_dir=str(path), mixed_precision=lora.default_mixed_precision("none"))
-    run = Run.create(path, config={**vars(recorded), **config}, world_size=1)
+def _finished_run(path: Path, status: str, **changes) -> Path:
+    # as a real run records it: every default resolved ("auto" precision settled to what this machine runs)
+    recorded = lora.resolve(lora_config(output_dir=str(path), **changes), get_preset("tiny"), 1)
+    run = Run.create(path, config=dataclasses.asdict(recorded), world_size=1)
     if status == "complete":
         run.finish({"steps": 1})
     else:
@@ -200,12 +214,14 @@ def _finished_run(path: Path, status: str, **config) -> Path:
 @pytest.mark.parametrize("status, config, resume_changes, message", [
     ("complete", {}, {}, "is already complete; there is nothing to resume"),
     ("failed", {}, {"rank": 16}, "was started with --rank 8, not 16; resume with the same settings"),
-    ("failed", {"targets": ["c_attn"]}, {"targets": ("c_fc",)}, "was started with --targets"),
+    ("failed", {"targets": ("c_attn",)}, {"targets": ("c_fc",)}, "was started with --targets"),
+    ("failed", {}, {"dora": True}, "was started with --dora False, not True"),
+    ("failed", {}, {"learning_rate": 1e-3}, "was started with --learning-rate 0.004, not 0.001"),
 ])
 def test_resume_refuses_what_it_cannot_continue(tmp_path, status, config, resume_changes, message):
     folder = _finished_run(tmp_path / "run", status, **config)
     before = (folder / "run.json").read_bytes()
-    cfg = lora.Config(output_dir=str(folder), resume=True, **{**config, **resume_changes})
+    cfg = lora_config(output_dir=str(folder), resume=True, **{**config, **resume_changes})
     with pytest.raises(UserError, match=message) as e:
         lora.validate(cfg)
     assert_one_sentence(str(e.value))
@@ -236,9 +252,10 @@ def test_paths_with_spaces_and_non_ascii_letters_work(tmp_path):
     data = write_rows(tmp_path / "dätä mit Leerzeichen" / "my rows ünïcode.jsonl", rows(100))
     out = tmp_path / "rüns ünd spaces" / "lora run"
     cfg = lora.Config(data_file=str(data), output_dir=str(out))
-    inputs = lora.load_inputs(cfg, lora.validate(cfg), world_size=1)
+    preset = lora.validate(cfg)
+    inputs = lora.load_inputs(lora.resolve(cfg, preset, 1), preset, world_size=1)
     assert len(inputs["train_set"]) == 90 and len(inputs["eval_rows"]) == 10  # a tenth is held out
-    run = Run.create(out, config=vars(cfg))
+    run = Run.create(out, config=dataclasses.asdict(cfg))
     assert json.loads((out / "run.json").read_text(encoding="utf-8"))["config"]["data_file"] == str(data)
     assert run.path == out
     # the whole run under such paths, end to end: tests/test_reliability.py (the offline 1-process run)

@@ -1,18 +1,36 @@
-"""The benchmarks: their command line, the FLOP count behind MFU (checked against the planner's independent
+"""The benchmarks: every module found, their command line, the FLOP count behind MFU (checked against the planner's independent
 count of the same architecture), the table, and (slow) a quick run of two benchmarks that must leave complete
 results folders with every ratio and its baseline. No timing thresholds here: speed targets are the benchmarks'
 own business, measured side by side in one run."""
 
+import ast
 import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from my_utils import UserError
 from my_utils.tools import bench
 from my_utils.run.launch import REPO_ROOT
+
+
+def test_every_benchmark_module_is_found_and_listed(subprocess_env):
+    # The names are read from the files, not through the harness: a module it failed to find would be missing from
+    # its list and from --help alike.
+    declared = set()
+    for path in Path(bench.__file__).parent.glob("*.py"):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "NAME" for t in node.targets):
+                declared.add(ast.literal_eval(node.value))
+    assert {"overhead", "memory", "mfu"} <= declared
+    assert set(bench.BENCHMARKS) == declared
+    out = subprocess.run([sys.executable, "-m", "my_utils", "bench", "--help"], env=subprocess_env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    block = out.split("\nbenchmarks:\n")[1].split("\n\n")[0]
+    assert {line.split()[0] for line in block.splitlines() if not line.startswith("   ")} == declared
 
 
 def test_names_and_quick_settings():
@@ -59,12 +77,13 @@ def test_model_flops_count_lora_backward_without_base_weight_gradients(subproces
     code = (
         "import json\n"
         "from my_utils.tools.bench import model_flops_per_token\n"
+        "from my_utils.core.adapters import AdapterSpec\n"
         "from my_utils.core.models import add_lora, build_causal_lm\n"
         "from my_utils.core.presets import get_preset\n"
         "p = get_preset('tiny')\n"
         "full = model_flops_per_token(build_causal_lm(p, random_init=True), 64, 'full')\n"
-        "lora = model_flops_per_token(add_lora(build_causal_lm(p, random_init=True), 8, targets=p.lora_targets), "
-        "64, 'lora')\n"
+        "spec = AdapterSpec(rank=8).resolved(p.lora_targets)\n"
+        "lora = model_flops_per_token(add_lora(build_causal_lm(p, random_init=True), spec), 64, 'lora')\n"
         "print(json.dumps({'full': full, 'lora': lora}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env, cwd=REPO_ROOT, capture_output=True,

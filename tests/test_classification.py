@@ -4,6 +4,7 @@ arithmetic; and the comparison table, built from results folders only."""
 import pytest
 
 from my_utils import UserError
+from my_utils.core.adapters import AdapterSpec
 from my_utils.run.results import Run
 from my_utils.workflows.classification import Config, global_batches, validate
 from my_utils.workflows.classification_table import classification_runs, classification_table
@@ -21,13 +22,23 @@ def test_global_batches_are_the_same_for_every_mode_and_cover_epochs():
 @pytest.mark.parametrize("change, message", [
     ({"method": "qlora"}, "Unknown method"),
     ({"parallel": "fsdp"}, "Unknown parallel mode"),
-    ({"rank": 0}, "positive integer"),
+    ({"adapter": AdapterSpec(rank=0)}, "positive integer"),
     ({"preset": "gpt2"}, "no classifier model"),
-    ({"eval_every": 0}, "positive integer"),
+    ({"eval_steps": 0}, "positive integer"),
 ])
 def test_bad_config_is_refused(change, message):
     with pytest.raises(UserError, match=message):
         validate(Config(**change))
+
+
+def test_a_batch_that_does_not_split_is_refused_before_the_data_is_read():
+    from my_utils.workflows.classification import resolve
+
+    preset = validate(Config(parallel="pipeline"))
+    with pytest.raises(UserError, match="A batch of 10 does not split into 4 equal micro-batches"):
+        resolve(Config(parallel="pipeline", batch_size=10), preset, 2, sentences=None)
+    with pytest.raises(UserError, match="The preset's batch of 16 does not split over 3 processes"):
+        resolve(Config(parallel="ddp"), preset, 3, sentences=None)
 
 
 def _fake_run(path, status="complete", **summary):
@@ -64,12 +75,12 @@ def test_one_device_ddp_and_pipeline_do_the_same_arithmetic(tmp_path, subprocess
     from my_utils.run.launch import accelerate_command, run_command
     from my_utils.run.results import load_run
 
-    args = ["--preset", "tiny", "--method", "lora", "--max-steps", 4, "--eval-every", 2, "--eval-rows", 32,
-            "--batch-size", 8]
+    args = ["--preset", "tiny", "--method", "lora", "--max-steps", 4, "--eval-steps", 2, "--eval-rows", 32]
     summaries = {}
     for parallel in ("none", "ddp", "pipeline"):
         out = tmp_path / parallel
-        my_args = [*args, "--parallel", parallel, "--output-dir", out]
+        # the same global batch of 8: DDP's 2 processes take 4 each; the pipeline is one replica
+        my_args = [*args, "--parallel", parallel, "--output-dir", out, "--batch-size", 4 if parallel == "ddp" else 8]
         if parallel == "none":
             cmd = [sys.executable, "-m", "my_utils.workflows.classification", *map(str, my_args)]
         else:
@@ -81,6 +92,7 @@ def test_one_device_ddp_and_pipeline_do_the_same_arithmetic(tmp_path, subprocess
     assert one["world_sizes_seen"] == [1] and ddp["world_sizes_seen"] == [2, 2] and pipe["world_sizes_seen"] == [2, 2]
     assert len(ddp["peak_memory_per_rank"]) == 2
     assert one["num_labels"] == 4  # the tiny set's classes: chance is a quarter
+    assert one["effective_batch"] == ddp["effective_batch"] == pipe["effective_batch"] == 8
     for other in (ddp, pipe):  # same batches, same initial weights, no dropout: the same numbers
         assert other["train_loss_first"] == pytest.approx(one["train_loss_first"], abs=1e-4)
         assert other["train_loss_final"] == pytest.approx(one["train_loss_final"], abs=1e-3)
@@ -93,3 +105,53 @@ def test_one_device_ddp_and_pipeline_do_the_same_arithmetic(tmp_path, subprocess
 
     after = f"{one['eval_curve'][0][1]:.2f} -> {one['eval_curve'][-1][1]:.2f}"
     assert any(line.startswith("none") and after in line for line in overview(tmp_path, root=tmp_path).splitlines())
+
+
+def test_the_parser_is_made_from_the_config():
+    from my_utils.workflows.classification import parse_args
+
+    cfg = parse_args(["--method", "full", "--rank", "4", "--targets", "query", "--eval-steps", "5"])
+    assert (cfg.method, cfg.adapter.rank, cfg.adapter.targets, cfg.eval_steps) == ("full", 4, ("query",), 5)
+    assert cfg.batch_size is None and cfg.adapter.alpha is None  # resolved inside the run, before its folder opens
+
+
+def _nulls(value, path=""):
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _nulls(v, f"{path}.{k}" if path else k)]
+    return [path] if value is None else []
+
+
+@pytest.mark.slow
+def test_run_json_records_every_default_resolved(tmp_path, subprocess_env):
+    import sys
+
+    from my_utils.run.launch import run_command
+    from my_utils.run.results import load_run
+
+    out = tmp_path / "run"
+    run_command([sys.executable, "-m", "my_utils.workflows.classification", "--preset", "tiny", "--max-steps", "2",
+                 "--eval-steps", "2", "--eval-rows", "32", "--output-dir", str(out)], env=subprocess_env)
+    run = load_run(out)
+    config = run["run"]["config"]
+    assert run["run"]["status"] == "complete"
+    assert _nulls(config) == [], _nulls(config)
+    assert config["batch_size"] == 16 and config["learning_rate"] == 3e-3 and config["num_processes"] == 1
+    assert config["adapter"]["alpha"] == 16 and config["adapter"]["targets"] == ["query", "value"]
+    assert 0 < config["max_length"] <= 128 and run["summary"]["effective_batch"] == 16
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--eval-steps", "0"], "classification: error: --eval-steps must be a positive integer, got 0."),
+    (["--eval-every", "5"], "unrecognized arguments: --eval-every 5; see --help."),
+    (["--parallel", "ddp"], "--parallel ddp needs 2 or more processes"),
+])
+def test_bad_input_from_the_command_line_is_one_line_and_writes_nothing(tmp_path, subprocess_env, args, expected):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "my_utils.workflows.classification", *args, "--output-dir", str(out)],
+                          env=subprocess_env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
+    assert not out.exists()

@@ -131,7 +131,7 @@ def test_markdown_and_output_folder(results, tmp_path):
 
 
 def test_command_line(results, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "my_utils", "compare", str(results), "--out", str(tmp_path / "o")],
+    out = subprocess.run([sys.executable, "-m", "my_utils", "compare", str(results), "--output-dir", str(tmp_path / "o")],
                          capture_output=True, text=True, check=True)
     assert "Speedup" in out.stdout and "not compared (failed): crashed" in out.stdout
     assert (tmp_path / "o" / "speedup.png").is_file()

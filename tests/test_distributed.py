@@ -169,8 +169,8 @@ def test_ddp_config_errors_are_one_sentence():
 
     with pytest.raises(UserError, match="--batch-size must be a positive integer"):
         validate(Config(batch_size=0))
-    with pytest.raises(UserError, match="--warmup-steps must be at least 0 and below --max-steps"):
-        validate(Config(max_steps=2, warmup_steps=2))
+    with pytest.raises(UserError, match="--untimed-steps must be at least 0 and below --max-steps"):
+        validate(Config(max_steps=2, untimed_steps=2))
     with pytest.raises(UserError, match="Unknown learning-rate scaling"):
         validate(Config(lr_scaling="cubic"))
 

@@ -26,3 +26,20 @@ def test_importing_helpers_imports_nothing_heavy(subprocess_env):
     )
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[] False", out.stdout + out.stderr
+
+
+def test_layers_import_only_downwards():
+    """core imports nothing of run, tools or workflows; run nothing of tools or workflows (a docstring may name them)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(my_utils.__file__).parent
+    above = {"core": ("my_utils.run", "my_utils.tools", "my_utils.workflows"),
+             "run": ("my_utils.tools", "my_utils.workflows")}
+    for layer, forbidden in above.items():
+        for path in (root / layer).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                         else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                for name in names:
+                    assert not name.startswith(forbidden), f"{layer}/{path.name} imports {name}, a layer above it"

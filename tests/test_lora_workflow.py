@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from my_utils import UserError
+from my_utils.core.adapters import AdapterSpec
 from my_utils.run.launch import REPO_ROOT, accelerate_command
 from my_utils.run.results import load_run
 from my_utils.workflows import lora
@@ -15,15 +16,37 @@ from my_utils.workflows import lora
 
 def test_parse_args_defaults_and_one_line_quantize_switch():
     cfg = lora.parse_args(["--preset", "tiny"])
-    assert (cfg.method, cfg.quantize, cfg.rank, cfg.lr_scaling) == ("lora", "none", 8, "none")
-    q = lora.parse_args(["--preset", "tiny", "--quantize", "4bit", "--targets", "c_attn", "--max-steps", "3"])
-    assert (q.quantize, q.targets, q.max_steps) == ("4bit", ("c_attn",), 3)
+    assert (cfg.method, cfg.quantize, cfg.adapter, cfg.lr_scaling) == ("lora", "none", AdapterSpec(), "none")
+    q = lora.parse_args(["--preset", "tiny", "--quantize", "4bit", "--targets", "c_attn", "--max-steps", "3",
+                         "--rank", "4", "--dora", "--output-dir", "somewhere"])
+    assert (q.quantize, q.adapter, q.max_steps, q.output_dir) == (
+        "4bit", AdapterSpec(rank=4, targets=("c_attn",), dora=True), 3, "somewhere")
+
+
+RESOLVED = ("batch_size", "max_steps", "max_length", "learning_rate", "lr_scheduler", "mixed_precision",
+            "num_processes")
+
+
+def test_resolve_settles_every_default_before_the_folder_opens():
+    from my_utils.core.presets import get_preset
+
+    preset = get_preset("tiny")
+    cfg = lora.resolve(lora.Config(adapter=AdapterSpec(rank=4)), preset, world_size=2)
+    assert all(getattr(cfg, key) is not None for key in RESOLVED) and cfg.mixed_precision != "auto"
+    assert cfg.adapter == AdapterSpec(rank=4, alpha=8, targets=tuple(preset.lora_targets))
+    assert (cfg.batch_size, cfg.learning_rate, cfg.num_processes) == (preset.batch_size, preset.learning_rate, 2)
+    assert lora.resolve(cfg, preset, world_size=2) == cfg, "resolving twice changes nothing (resume compares them)"
+    full = lora.resolve(lora.Config(method="full"), preset, world_size=1)
+    assert full.adapter is None and full.learning_rate == preset.learning_rate / 10  # full fine-tuning: no adapter
+    # the optimizer's rate: the recorded one scaled from the preset's batch to the effective batch
+    sqrt = lora.resolve(lora.Config(lr_scaling="sqrt"), preset, world_size=4)
+    assert lora.training_learning_rate(sqrt, preset, 4) == pytest.approx(2 * sqrt.learning_rate)
 
 
 @pytest.mark.parametrize("changes, message", [
     ({"method": "full", "quantize": "4bit"}, "cannot be fully fine-tuned"),
     ({"quantize": "2bit"}, "Unknown quantization '2bit'"),
-    ({"rank": 0}, "rank must be a positive integer"),
+    ({"adapter": AdapterSpec(rank=0)}, "rank must be a positive integer"),
     ({"lr_scaling": "cubic"}, "Unknown learning-rate scaling"),
     ({"max_steps": 0}, "--max-steps must be a positive integer"),
     ({"preset": "gtp2"}, "did you mean 'gpt2'"),
@@ -93,7 +116,7 @@ def test_auto_mixed_precision_is_bf16_only_where_native(monkeypatch, cuda, cpu_f
 
     from my_utils.core import devices
     from my_utils.run import launch
-    from my_utils.workflows.lora import Config, default_mixed_precision, validate
+    from my_utils.workflows.lora import Config, default_mixed_precision, resolve, validate
 
     monkeypatch.setattr(devices, "cuda_available", lambda: cuda)
     monkeypatch.setattr(launch, "is_cpu_only", lambda: not cuda)
@@ -101,11 +124,9 @@ def test_auto_mixed_precision_is_bf16_only_where_native(monkeypatch, cuda, cpu_f
         monkeypatch.setattr(torch.cpu, name, lambda flag=cpu_flags.get(name, False): flag, raising=False)
     assert default_mixed_precision(quantize) == expected
     cfg = Config(quantize=quantize)
-    validate(cfg)
-    assert cfg.mixed_precision == expected  # settled before the results folder records the config
+    assert resolve(cfg, validate(cfg), 1).mixed_precision == expected  # settled before run.json records the config
     cfg = Config(quantize=quantize, mixed_precision="no")
-    validate(cfg)
-    assert cfg.mixed_precision == "no"  # an explicit choice is kept
+    assert resolve(cfg, validate(cfg), 1).mixed_precision == "no"  # an explicit choice is kept
 
 
 @pytest.mark.slow
@@ -127,3 +148,26 @@ def test_two_processes_of_8_train_like_one_process_of_16(tmp_path, subprocess_en
     assert load_run(two)["summary"]["world_size"] == 2 and len(losses(one)) == 6
     assert losses(two) == pytest.approx(losses(one), rel=1e-4)
     assert load_run(two)["summary"]["eval_loss"] == pytest.approx(load_run(one)["summary"]["eval_loss"], rel=1e-4)
+
+
+def test_a_dora_run_trains_and_records_dora(tmp_path, subprocess_env):
+    """DoRA is one AdapterSpec field: --dora reaches peft, run.json, summary.json and the saved adapter. run.json's
+    config records what ran: no default left as null."""
+    from safetensors import safe_open
+
+    out = tmp_path / "dora"
+    proc = subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", "--preset", "tiny", "--dora",
+                           "--max-steps", "2", "--logging-steps", "1", "--batch-size", "4", "--eval-rows", "4",
+                           "--skip-generation-eval", "--output-dir", str(out)], env=subprocess_env, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = load_run(out)
+    config, summary = run["run"]["config"], run["summary"]
+    assert [key for key in RESOLVED if config[key] is None] == [] and config["mixed_precision"] != "auto"
+    assert config["adapter"] == {"rank": 8, "alpha": 16, "targets": ["c_attn"], "dropout": 0.0, "rslora": False,
+                                 "dora": True}
+    assert summary["adapter"] == config["adapter"] and summary["dora"] is True and summary["method"] == "lora"
+    assert summary["steps"] == 2 and len([m for m in run["metrics"] if "loss" in m]) == 2
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["use_dora"] is True
+    with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        assert any("lora_magnitude_vector" in key for key in f.keys()), "DoRA's magnitudes were saved"

@@ -99,9 +99,11 @@ def _launch(tmp_path, subprocess_env, args):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_output_equals_the_plain_model(tmp_path, subprocess_env, schedule):
-    s = _launch(tmp_path, subprocess_env, ["--schedule", schedule, "--steps", 2, "--batch-size", 8, "--seq-len", 32])
+    s = _launch(tmp_path, subprocess_env, ["--schedule", schedule, "--max-steps", 2, "--batch-size", 8,
+                                             "--max-length", 32])
     assert s["world_sizes_seen"] == [2, 2]
     assert s["max_abs_diff"] < 1e-4
+    assert (s["max_length"], s["steps"], s["effective_batch"]) == (32, 2, 8)
     assert s["pipelined_loss"] == pytest.approx(s["reference_loss"], abs=1e-4)
     assert len(s["stage_modules"]) == 2 and s["stage_modules"][0][0] == "transformer.wte"
     assert all(len(events) == 2 * s["microbatches"] for events in s["timeline"].values())
@@ -115,3 +117,21 @@ def test_tensor_parallel_output_equals_the_plain_model(tmp_path, subprocess_env)
     up, down = s["sharded_pairs"][0]
     assert s["local_shapes"][1][up] == [s["full_shapes"][up][0] // 2, s["full_shapes"][up][1]]
     assert s["local_shapes"][1][down] == [s["full_shapes"][down][0], s["full_shapes"][down][1] // 2]
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--seq-len", "32"], "unrecognized arguments: --seq-len 32; see --help."),
+    (["--max-steps", "0"], "pipeline: error: --max-steps must be a positive integer, got 0."),
+    (["--mode", "data"], "argument --mode: invalid choice: 'data'"),
+    ([], "--mode pipeline splits the model over processes but this run has one"),
+])
+def test_bad_input_from_the_command_line_is_one_line_and_writes_nothing(tmp_path, subprocess_env, args, expected):
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "my_utils.workflows.pipeline", *args, "--output-dir", str(out)],
+                          env=subprocess_env, capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
+    assert not out.exists()

@@ -10,9 +10,18 @@ import pytest
 
 from my_utils import UserError
 from my_utils.tools import planner
+from my_utils.core.adapters import AdapterSpec
 from my_utils.core.memory import MiB
 
 TINY_TARGETS = ("c_attn", "c_proj", "c_fc")
+LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora(model, rank, targets, task_type="CAUSAL_LM"):
+    """``model`` with peft's LoRA adapters of ``rank`` on ``targets``, as the workflows add them."""
+    from my_utils.core.models import add_lora
+
+    return add_lora(model, AdapterSpec(rank=rank, targets=tuple(targets)).resolved(targets), task_type=task_type)
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +30,18 @@ def tiny():
 
 
 def test_meta_device_counts_match_the_real_model(tiny):
-    from my_utils.core.models import add_lora, build_causal_lm, count_parameters
+    from my_utils.core.models import build_causal_lm, count_parameters
     from my_utils.core.presets import get_preset
 
     model = build_causal_lm(get_preset("tiny"))
     assert tiny.total_params == count_parameters(model)["total"]
-    lora = add_lora(model, rank=4, targets=TINY_TARGETS)
-    assert planner.lora_parameters(tiny, 4, TINY_TARGETS) == count_parameters(lora)["trainable"]
-    p = planner.plan("tiny", "lora", rank=4, targets=TINY_TARGETS, batch=2, seq=8)
-    counts = count_parameters(lora)
+    adapted = lora(model, 4, TINY_TARGETS)
+    assert planner.lora_parameters(tiny, 4, TINY_TARGETS) == count_parameters(adapted)["trainable"]
+    p = planner.plan("tiny", "lora", adapter=AdapterSpec(rank=4, targets=TINY_TARGETS), batch_size=2, max_length=8)
+    counts = count_parameters(adapted)
     assert (p.trainable_params, p.total_params) == (counts["trainable"], counts["total"])
+    everywhere = lora(build_causal_lm(get_preset("tiny")), 4, ("all-linear",))  # peft picks the layers itself
+    assert planner.lora_parameters(tiny, 4, ("all-linear",)) == count_parameters(everywhere)["trainable"]
 
 
 def saved_activation_bytes(model, batch, seq, vocab, dtype="fp32"):
@@ -59,24 +70,43 @@ def opt_like_config():
                                 do_layer_norm_before=False)
 
 
+def llama_like_config():
+    """A small Llama (RMSNorm, SwiGLU, grouped-query attention: 6 query heads share 2 key/value heads, tied
+    embeddings), every width distinct so that a wrong one shows."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("llama", hidden_size=192, num_hidden_layers=2, intermediate_size=512,
+                                num_attention_heads=6, num_key_value_heads=2, vocab_size=500,
+                                max_position_embeddings=128, tie_word_embeddings=True)
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("model_name", ["tiny", "opt-like"])
-@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("model_name", ["tiny", "opt-like", "llama-like"])
+@pytest.mark.parametrize("method", ["full", "lora", "lora-all-linear"])
 def test_activation_model_matches_what_autograd_keeps(model_name, method, dtype, tiny):
-    """The layer-by-layer rule against the bytes autograd really saves, on a CPU (dropout on, padded batch)."""
+    """The layer-by-layer rule against the bytes autograd really saves, on a CPU (dropout on where the model has
+    it, padded batch): GPT-2's fused attention, OPT's post-LN blocks, Llama's RMSNorm, gated MLP and grouped-query
+    attention; adapters on the attention only (each preset's default) or on every linear layer of the blocks."""
+    import torch
     from transformers import AutoModelForCausalLM
 
-    from my_utils.core.models import add_lora, build_causal_lm
+    from my_utils.core.models import build_causal_lm
     from my_utils.core.presets import get_preset
 
-    if model_name == "opt-like":
-        config = opt_like_config()
-        arch, targets, model = planner.architecture_from_config(config, "opt-like"), ("q_proj", "v_proj"), \
-            AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(0)
+    if model_name == "tiny":
+        arch, targets, model = tiny, ("c_attn",), build_causal_lm(get_preset("tiny"))
+        every = TINY_TARGETS
     else:
-        arch, targets, model = tiny, TINY_TARGETS, build_causal_lm(get_preset("tiny"))
+        config = opt_like_config() if model_name == "opt-like" else llama_like_config()
+        arch, targets, model = planner.architecture_from_config(config, model_name), ("q_proj", "v_proj"), \
+            AutoModelForCausalLM.from_config(config)
+        every = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2") if model_name == "opt-like" \
+            else LLAMA_TARGETS
+    if method == "lora-all-linear":
+        method, targets = "lora", every
     if method == "lora":
-        model = add_lora(model, rank=8, targets=targets)
+        model = lora(model, 8, targets)
     batch, seq = 8, 40
     measured = saved_activation_bytes(model, batch, seq, arch.vocab, dtype)
     p = planner.estimate(arch, method, rank=8, targets=targets, batch=batch, seq=seq, dtype=dtype, device="cpu")
@@ -115,10 +145,10 @@ def test_saved_activations_include_tensors_a_custom_function_keeps():
 
 
 def test_each_part_follows_its_rule(tiny):
-    full = planner.plan("tiny", "full", batch=4, seq=32)
-    lora = planner.plan("tiny", "lora", batch=4, seq=32)
-    qlora = planner.plan("tiny", "qlora", batch=4, seq=32)
-    q8 = planner.plan("tiny", "qlora-8bit", batch=4, seq=32)
+    full = planner.plan("tiny", "full", batch_size=4, max_length=32)
+    lora = planner.plan("tiny", "lora", batch_size=4, max_length=32)
+    qlora = planner.plan("tiny", "qlora", batch_size=4, max_length=32)
+    q8 = planner.plan("tiny", "qlora-8bit", batch_size=4, max_length=32)
     assert full.optimizer == 8 * tiny.total_params and full.gradients == 4 * tiny.total_params
     assert lora.optimizer == 8 * lora.trainable_params
     assert lora.weights == 4 * (tiny.total_params + lora.trainable_params)
@@ -128,30 +158,32 @@ def test_each_part_follows_its_rule(tiny):
                                           + 4 * qlora.trainable_params)
     assert qlora.method == "qlora-4bit" and q8.method == "qlora-8bit"
     assert qlora.weights < q8.weights < lora.weights
-    ddp = planner.plan("tiny", "lora", batch=4, seq=32, processes=2)
+    ddp = planner.plan("tiny", "lora", batch_size=4, max_length=32, processes=2)
     assert ddp.gradients == lora.gradients and ddp.ddp_buckets == lora.gradients and not lora.ddp_buckets
     assert ddp.peak == pytest.approx(lora.peak + lora.gradients)
     assert "DDP gradient buckets" in [part for part, _, _ in ddp.parts()]
-    checkpointed = planner.plan("tiny", "lora", batch=4, seq=32, gradient_checkpointing=True)
+    checkpointed = planner.plan("tiny", "lora", batch_size=4, max_length=32, gradient_checkpointing=True)
     assert checkpointed.saved_activations < lora.saved_activations
     assert checkpointed.backward_extra > lora.backward_extra  # one layer is recomputed during backward
     # the loss gradients: made in backward, never saved
     assert lora.backward_extra == 2 * 4 * 4 * 32 * tiny.vocab
-    assert planner.plan("tiny", "lora", batch=8, seq=32).activations == pytest.approx(2 * lora.activations, rel=0.01)
+    assert planner.plan("tiny", "lora", batch_size=8, max_length=32).activations == pytest.approx(2 * lora.activations, rel=0.01)
     # bf16 autocast computes from the fp32 weights: the same weights, smaller activations
-    bf16 = planner.plan("tiny", "lora", batch=16, seq=64, dtype="bf16")
+    bf16 = planner.plan("tiny", "lora", batch_size=16, max_length=64, dtype="bf16")
     assert bf16.weights == lora.weights
-    assert bf16.saved_activations < planner.plan("tiny", "lora", batch=16, seq=64).saved_activations
+    assert bf16.saved_activations < planner.plan("tiny", "lora", batch_size=16, max_length=64).saved_activations
     # gpt2 trains with dropout (the tiny model has none): on a CPU its masks are float tensors and attention
     # dropout rules out the fused attention kernel.
-    gpt2_cpu = planner.plan("gpt2", "lora", batch=4, seq=32, device="cpu")
-    assert gpt2_cpu.activations > planner.plan("gpt2", "lora", batch=4, seq=32).activations
+    gpt2_cpu = planner.plan("gpt2", "lora", batch_size=4, max_length=32, device="cpu")
+    assert gpt2_cpu.activations > planner.plan("gpt2", "lora", batch_size=4, max_length=32).activations
 
 
 def test_bad_input_is_one_sentence():
     for kwargs, message in [({"method": "dora"}, "Unknown method"), ({"method": "full", "quantize": "4bit"}, "go with"),
-                            ({"dtype": "fp16"}, "Unknown dtype"), ({"batch": 0}, "positive"),
-                            ({"rank": 0}, "rank must be a positive"), ({"targets": ("q_proj",)}, "No linear layer"),
+                            ({"dtype": "fp16"}, "Unknown dtype"), ({"batch_size": 0}, "positive"),
+                            ({"adapter": AdapterSpec(rank=0)}, "rank must be a positive"),
+                            ({"adapter": AdapterSpec(targets=("q_proj",))}, "No linear layer"),
+                            ({"adapter": AdapterSpec(dora=True)}, "does not model the memory of --dora"),
                             ({"device": "tpu"}, "Unknown device kind")]:
         with pytest.raises(UserError, match=message):
             planner.plan("tiny", **{"method": "lora", **kwargs})
@@ -166,18 +198,18 @@ def test_bad_input_is_one_sentence():
 
 
 def test_command_line_says_whether_it_fits(capsys):
-    planner.main(["--preset", "tiny", "--method", "full", "--batch", "4", "--seq", "32", "--memory", "100MiB"])
+    planner.main(["--preset", "tiny", "--method", "full", "--batch-size", "4", "--max-length", "32", "--memory", "100MiB"])
     out = capsys.readouterr().out
     assert "does NOT fit 100MiB" in out  # the CUDA context alone is 600 MiB
-    p = planner.main(["--preset", "tiny", "--method", "qlora", "--batch", "4", "--seq", "32", "--device", "t4"])
+    p = planner.main(["--preset", "tiny", "--method", "qlora", "--batch-size", "4", "--max-length", "32", "--device", "t4"])
     out = capsys.readouterr().out
     assert "fits T4" in out and "NOT" not in out and p.overhead == planner.CUDA_CONTEXT
-    planner.main(["--preset", "tiny", "--batch", "4", "--seq", "32", "--json"])
+    planner.main(["--preset", "tiny", "--batch-size", "4", "--max-length", "32", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert data["peak"] == pytest.approx(data["weights"] + data["gradients"] + data["ddp_buckets"] + data["optimizer"]
                                          + data["saved_activations"] + data["backward_extra"] + data["overhead"])
     assert data["activations"] == pytest.approx(data["saved_activations"] + data["backward_extra"])
-    planner.main(["--preset", "tiny", "--batch", "4", "--seq", "32", "--processes", "2"])
+    planner.main(["--preset", "tiny", "--batch-size", "4", "--max-length", "32", "--processes", "2"])
     out = capsys.readouterr().out
     assert all(part in out for part in ("saved activations", "backward transient", "DDP gradient buckets"))
 
@@ -186,14 +218,15 @@ def test_a_run_is_planned_from_its_summary():
     """The plan for a run comes from what its summary records: method, quantization, LoRA rank, mixed precision,
     processes, device, and each rank's first batch; each measured part is set beside its planned one."""
     breakdown = {"weights": 1.0, "gradients": 2.0, "optimizer_states": 3.0, "saved_activations": 4.0}
-    summary = {"workflow": "lora", "preset": "tiny", "method": "qlora-8bit", "rank": 4, "world_size": 2,
+    adapter = {"rank": 4, "alpha": 8, "targets": ["c_attn"], "dropout": 0.0, "rslora": False, "dora": False}
+    summary = {"workflow": "lora", "preset": "tiny", "method": "qlora-8bit", "adapter": adapter, "world_size": 2,
                "quantization": {"bits": 8}, "mixed_precision": "bf16",
                "first_batches": [{"batch_size": 8, "seq_len": 40}, {"batch_size": 8, "seq_len": 31}],
                "memory": [{"end": {"device": "cpu"}, "breakdown": breakdown}] * 2}
     p = planner.plan_for_run(summary, rank=1)
     assert (p.method, p.rank, p.dtype, p.batch, p.seq, p.processes) == ("qlora-8bit", 4, "bf16", 8, 31, 2)
-    assert p == planner.plan("tiny", "qlora", quantize="8bit", rank=4, batch=8, seq=31, processes=2, dtype="bf16",
-                             device="cpu")
+    assert p == planner.plan("tiny", "qlora", quantize="8bit", adapter=AdapterSpec(rank=4, targets=("c_attn",)),
+                             batch_size=8, max_length=31, processes=2, dtype="bf16", device="cpu")
     rows = planner.compare_with_run(summary, rank=1)
     assert [r.component for r in rows] == ["weights", "gradients", "optimizer states", "saved activations"]
     assert [r.measured for r in rows] == [1.0, 2.0, 3.0, 4.0]
@@ -207,14 +240,14 @@ def test_a_run_is_planned_from_its_summary():
 
 
 @pytest.mark.parametrize("preset, published", [("gpt2", 124_439_808), ("opt-350m", 331_196_416),
-                                               ("roberta-large", None)])
+                                               ("roberta-large", None), ("smollm2-135m", 134_515_008)])
 def test_real_presets_match_peft_on_the_meta_device(preset, published):
     """Built from the shipped config.json on the meta device (no download, no memory), the counts equal what
     peft reports for the same model, and the causal LMs have their published sizes."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from my_utils.core.models import add_lora, count_parameters
+    from my_utils.core.models import count_parameters
     from my_utils.core.presets import get_preset
 
     p = get_preset(preset)
@@ -224,12 +257,67 @@ def test_real_presets_match_peft_on_the_meta_device(preset, published):
     with torch.device("meta"):
         model = (AutoModelForCausalLM if causal else AutoModelForSequenceClassification).from_config(config)
         full = count_parameters(model)
-        lora = count_parameters(add_lora(model, 8, targets=p.lora_targets if causal else p.classifier_lora_targets,
-                                         task_type="CAUSAL_LM" if causal else "SEQ_CLS"))
+        adapted = count_parameters(lora(model, 8, p.lora_targets if causal else p.classifier_lora_targets,
+                                        task_type="CAUSAL_LM" if causal else "SEQ_CLS"))
     assert planner.architecture(preset).total_params == full["total"] == (published or full["total"])
-    plan = planner.plan(preset, "lora", rank=8)
-    assert (plan.trainable_params, plan.total_params) == (lora["trainable"], lora["total"])
+    plan = planner.plan(preset, "lora")
+    assert (plan.trainable_params, plan.total_params) == (adapted["trainable"], adapted["total"])
     assert planner.plan(preset, "qlora").peak < plan.peak < planner.plan(preset, "full").peak
+
+
+def test_smollm2_parts_follow_the_llama_layout():
+    """SmolLM2-135M as the planner reads it (30 blocks, hidden 576, 9 query and 3 key/value heads of 64, a gated
+    MLP of 1536, tied embeddings), and each part of its plans from that layout by hand: the adapters on the
+    grouped-query projections, the quantized layers (the blocks' seven projections, not the tied output layer)
+    and the layer-by-layer activations."""
+    arch = planner.architecture("smollm2-135m")
+    assert (arch.model_type, arch.layers, arch.hidden, arch.intermediate, arch.heads, arch.kv_heads, arch.vocab) == \
+        ("llama", 30, 576, 1536, 9, 3, 49152)
+    assert (arch.norm, arch.norm_first, arch.gated_mlp, arch.extra_norms, arch.fused_qkv) == ("rms", True, True, 1,
+                                                                                              False)
+    assert arch.total_params == 134_515_008  # the embedding counted once: the output layer shares it
+    assert arch.linears["model.layers.0.self_attn.k_proj"][:2] == (576, 192)  # 3 key/value heads x 64
+    assert planner.lora_parameters(arch, 8, ("q_proj", "v_proj")) == 30 * 8 * ((576 + 576) + (576 + 192))
+    block = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
+    assert planner.lora_parameters(arch, 8, LLAMA_TARGETS) == 30 * 8 * (2 * 1152 + 2 * 768 + 3 * 2112)
+    assert "lm_head" not in arch.quantizable and len(arch.quantizable) == 7 * 30
+    quantized = sum(arch.linears[n][0] * arch.linears[n][1] for n in arch.quantizable)
+    assert quantized == 30 * block
+    qlora = planner.plan("smollm2-135m", "qlora")
+    assert qlora.weights == pytest.approx(quantized * planner.NF4_BYTES + 4 * (arch.total_params - quantized)
+                                          + 4 * qlora.trainable_params)
+    # full fine-tuning in fp32 on a GPU, batch 2 x seq 16, each block by hand
+    t, h, f, b, s = 32, 576, 1536, 2, 16
+    norm = t * h * 4 + t * 4 + t * h * 4  # input, 1/rms per token, the normalised input (the weight trains)
+    attention = 4 * (3 * t * h + t * h) + 4 * b * 9 * s + b * s * s * 4  # q, k, v (repeated), output, lse, mask
+    mlp = 4 * 3 * t * f  # gate output, SiLU of it, up output
+    projections = 4 * (t * h + t * h + t * f)  # the inputs of q/k/v, of gate/up (shared) and of down
+    layer = 2 * norm + attention + mlp + projections
+    full = planner.plan("smollm2-135m", "full", batch_size=b, max_length=s)
+    edges = norm + t * 49152 * 4 + t * h * 4  # the final norm, the log-probabilities, the output layer's input
+    assert full.saved_activations == pytest.approx(30 * layer + edges)
+    assert full.weights == full.gradients == 4 * arch.total_params and full.optimizer == 8 * arch.total_params
+    assert all(value > 0 for _, value, _ in full.parts())
+
+
+def test_an_architecture_the_planner_cannot_model_is_refused_in_one_sentence(monkeypatch):
+    """An unknown model type, an unknown activation or an unknown block layout: one sentence, no number."""
+    from transformers import AutoConfig
+
+    def refused(config, match):
+        with pytest.raises(UserError, match=match) as error:
+            planner.architecture_from_config(config, "a model")
+        message = str(error.value)
+        assert message.startswith("The memory planner cannot model a model") and message.endswith(".")
+        assert ". " not in message and "\n" not in message  # one sentence
+
+    refused(AutoConfig.for_model("mistral", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=100), "not 'mistral'")
+    refused(AutoConfig.for_model("gpt2", n_embd=64, n_layer=1, n_head=4, vocab_size=100, bos_token_id=0,
+                                 eos_token_id=0, activation_function="swish"), "activation 'swish'")
+    monkeypatch.setattr(planner, "MODELLED", (*planner.MODELLED, "gpt_neox"))  # pretend to know it: its layout
+    refused(AutoConfig.for_model("gpt_neox", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                                 num_attention_heads=4, vocab_size=100), "linear layers .*query_key_value")
 
 
 @pytest.fixture(scope="module")

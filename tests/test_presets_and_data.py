@@ -7,9 +7,48 @@ from my_utils.core.data import check_enough_rows, format_example, format_prompt,
 from my_utils.core.presets import PRESETS, get_preset
 
 
+REAL_PRESETS = ["gpt2", "opt-350m", "roberta-large", "smollm2-135m"]
+
+
 def test_known_presets():
-    assert {"tiny", "gpt2", "opt-350m", "roberta-large"} <= set(PRESETS)
+    assert {"tiny", *REAL_PRESETS} <= set(PRESETS)
     assert get_preset("tiny").offline
+
+
+@pytest.mark.parametrize("name", REAL_PRESETS)
+def test_real_presets_ship_their_config_and_valid_lora_targets(name):
+    """A real preset is its hub id plus its published config.json: the architecture builds offline on the meta
+    device, its default LoRA targets are adaptable layers of it, and a causal preset's data and length fit."""
+    from my_utils.core.data import HUB_CLASSIFICATION, HUB_INSTRUCTIONS
+    from my_utils.core.devices import meta_model
+    from my_utils.core.models import check_lora_targets, max_positions
+
+    p = get_preset(name)
+    assert not p.offline
+    role = "causal" if p.causal_model else "classifier"
+    model = meta_model(p.offline_config[role])
+    check_lora_targets(model, p.lora_targets if role == "causal" else p.classifier_lora_targets)
+    if role == "causal":
+        assert p.lora_targets and p.instruction_data in HUB_INSTRUCTIONS
+        assert p.max_length <= max_positions(model.config)
+    else:
+        assert p.classifier_lora_targets and p.classification_data in HUB_CLASSIFICATION
+
+
+def test_smollm2_adapts_the_attention_by_default_and_could_adapt_every_projection():
+    """Its default is the classic query and value projections; every other projection of a Llama block is a valid
+    target too, and a layer that is not a linear one (an RMSNorm) is refused in one sentence."""
+    from my_utils.core.devices import meta_model
+    from my_utils.core.models import check_lora_targets
+
+    p = get_preset("smollm2-135m")
+    assert p.lora_targets == ("q_proj", "v_proj")
+    model = meta_model(p.offline_config["causal"])
+    check_lora_targets(model, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    with pytest.raises(UserError, match="'input_layernorm' is a LlamaRMSNorm"):
+        check_lora_targets(model, ("input_layernorm",))
+    with pytest.raises(UserError, match="'c_attn' matches nothing in LlamaForCausalLM"):
+        check_lora_targets(model, ("c_attn",))
 
 
 def test_unknown_preset_suggests_nearest():

@@ -44,7 +44,7 @@ def test_cells_are_the_grids_combinations_each_once():
     ])
     assert [sweep.cell_name(c) for c in spec.cells()] == [
         "rank2_alpha32_lr0.002", "rank16_alpha32_lr0.002", "rank16_alpha32_lr0.004", "full_lr0.0004",
-        "rank4_rslora_c_attn+c_fc", "rank4_c_attn+c_fc"]
+        "rank4_c_attn+c_fc_rslora", "rank4_c_attn+c_fc"]
     assert spec.cells()[0] == {"rank": 2, "alpha": 32.0, "learning_rate": 0.002}, "values as the workflow reads them"
     cmd = sweep.cell_command(spec, spec.cells()[4], sweep.Path("out"))
     assert cmd[1:3] == ["-m", "my_utils.workflows.lora"]
@@ -54,13 +54,28 @@ def test_cells_are_the_grids_combinations_each_once():
     assert "--rslora" not in sweep.cell_command(spec, spec.cells()[5], sweep.Path("out")), "False: the default"
 
 
+def test_every_adapter_field_is_sweepable_with_no_edit_in_the_sweep():
+    """The sweep's options are the workflow's generated command line: AdapterSpec's fields come with it."""
+    from dataclasses import fields
+
+    from my_utils.core.adapters import AdapterSpec
+
+    assert {f.name for f in fields(AdapterSpec)} <= set(sweep._options())
+    assert set(sweep.ADAPTER_SETTINGS) <= set(sweep.SETTINGS)
+    spec = sweep.SweepSpec(args={"max_steps": 3}, grids=[{"rank": [4], "dora": [True, False], "dropout": [0, 0.1]}])
+    assert [sweep.cell_name(c) for c in spec.cells()] == [
+        "rank4_dropout0_dora", "rank4_dropout0.1_dora", "rank4_dropout0", "rank4_dropout0.1"]
+    cmd = sweep.cell_command(spec, spec.cells()[1], sweep.Path("out"))
+    assert "--dora" in cmd and cmd[cmd.index("--dropout") + 1] == "0.1"
+
+
 def test_defaults_and_the_command_line_grid():
     assert sweep.SweepSpec(preset="tiny").grids == [{"rank": [1, 4, 16, 64], "alpha": [32.0]}]
     assert sweep.SweepSpec(preset="opt-350m").grids == [{"rank": [8, 128, 256], "alpha": [16.0]}]
     assert sweep.parse_grid(["rank=4,16", "targets=c_attn,c_attn+c_fc", "rslora=true", "learning-rate=1e-3"]) == {
         "rank": [4, 16], "targets": ["c_attn", ["c_attn", "c_fc"]], "rslora": [True], "learning_rate": [0.001]}
     spec, out, jobs = sweep.parse_args(["--ranks", "8", "128", "--grid", "rank=4", "alpha=32", "--jobs", "2",
-                                        "--max-steps", "7", "--out", "somewhere"])
+                                        "--max-steps", "7", "--output-dir", "somewhere"])
     assert spec.grids == [{"rank": [4], "alpha": [32.0]}, {"rank": [8, 128]}] and spec.args["max_steps"] == 7
     assert (str(out), jobs) == ("somewhere", 2)
 
@@ -91,12 +106,12 @@ def test_bad_input_on_the_command_line_writes_nothing(tmp_path, subprocess_env):
     out = tmp_path / "sweep"
     # one small cell, should the check ever let it through (--max-steps 0 once ran the default 250 steps)
     result = subprocess.run([sys.executable, "-m", "my_utils.tools.sweep", "--ranks", "1", "--max-steps", "0", "--eval-rows",
-                             "4", "--out", str(out)], env=subprocess_env, capture_output=True, text=True, timeout=300)
+                             "4", "--output-dir", str(out)], env=subprocess_env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "sweep: error: --max-steps must be a positive integer, got 0."
     assert not out.exists(), "nothing written: no sweep.json, no cell folder"
     with pytest.raises(UserError, match="twice"):
-        sweep.parse_args(["--ranks", "8", "8", "--out", str(out)])
+        sweep.parse_args(["--ranks", "8", "8", "--output-dir", str(out)])
     with pytest.raises(UserError, match="OPTION=VALUE"):
         sweep.parse_grid(["rank"])
 

@@ -21,3 +21,12 @@ def scale_learning_rate(base_lr: float, effective_batch: int, base_batch: int, r
     return base_lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[rule]
 
 
+
+
+FULL_FINE_TUNING_SHARE = 0.1  # full fine-tuning moves every pretrained weight: a tenth of LoRA's rate
+
+
+def default_learning_rate(preset, method: str) -> float:
+    """The rate a run uses when none is given: the preset's (tuned for LoRA), or a tenth of it for full
+    fine-tuning."""
+    return preset.learning_rate * (FULL_FINE_TUNING_SHARE if method == "full" else 1.0)

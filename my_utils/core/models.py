@@ -4,16 +4,17 @@ inside the functions that need them (so ``import my_utils`` stays light and laun
 LoRA to QLoRA is one argument: ``build_causal_lm(preset, quantize="4bit")``.
 
     from my_utils.core.models import build_causal_lm, add_lora, count_parameters
-    model = add_lora(build_causal_lm(get_preset("tiny")), rank=8)
+    preset = get_preset("tiny")
+    model = add_lora(build_causal_lm(preset), AdapterSpec(rank=8).resolved(preset.lora_targets))
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core.adapters import ALL_LINEAR, AdapterSpec
 from my_utils.core.presets import Preset
 
 QUANTIZE_CHOICES = ("none", "8bit", "4bit")
@@ -105,15 +106,6 @@ def build_classifier(preset: Preset, num_labels: int, *, random_init: bool = Fal
     )
 
 
-def check_lora_args(rank, alpha=None) -> None:
-    """Reject a rank or alpha that is not a positive integer/number, in one sentence."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise UserError(f"LoRA rank must be a positive integer, got {rank!r}; try --rank 8.")
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float))
-                              or not math.isfinite(alpha) or alpha <= 0):
-        raise UserError(f"LoRA alpha must be a positive number, got {alpha!r}; a common choice is twice the rank.")
-
-
 # Module classes peft's LoRA can adapt (by class name: bitsandbytes and transformers need not be imported here).
 LORA_ADAPTABLE = {"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "Linear8bitLt", "Linear4bit"}
 
@@ -126,6 +118,8 @@ def check_lora_targets(model, targets) -> None:
         modules.setdefault(name.rsplit(".", 1)[-1], set()).add(type(module).__name__)
     adaptable = sorted(n for n, kinds in modules.items() if n and not n.isdigit() and kinds <= LORA_ADAPTABLE)
     for target in targets:
+        if target == ALL_LINEAR:  # peft finds the linear layers itself
+            continue
         if target not in modules:
             raise UserError(f"LoRA target module {target!r} matches nothing in {type(model).__name__}; "
                             f"pick from its adaptable layers: {', '.join(adaptable[:12])}.")
@@ -144,30 +138,18 @@ def max_positions(config) -> int | None:
     return None
 
 
-def add_lora(model, rank: int = 8, alpha: float | None = None, targets=("c_attn",), dropout: float = 0.0,
-             task_type: str = "CAUSAL_LM", modules_to_save=None, use_rslora: bool = False):
-    """Wrap ``model`` with LoRA adapters (peft) on the modules named ``targets``; alpha defaults to 2 x rank.
-    The update is scaled by alpha / rank, or by alpha / sqrt(rank) with ``use_rslora`` (rank-stabilised LoRA).
+def add_lora(model, spec: AdapterSpec, task_type: str = "CAUSAL_LM", modules_to_save=None):
+    """Wrap ``model`` with the adapters ``spec`` describes (peft; give it resolved: every default filled in).
 
     A quantized model is first prepared for k-bit training (frozen base, fp32 norms, input gradients).
     """
-    check_lora_args(rank, alpha)
-    check_lora_targets(model, targets)
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    spec.check()
+    check_lora_targets(model, spec.targets)
+    from peft import get_peft_model, prepare_model_for_kbit_training
 
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha if alpha is not None else 2 * rank,
-        target_modules=list(targets),
-        lora_dropout=dropout,
-        bias="none",
-        task_type=task_type,
-        modules_to_save=modules_to_save,
-        use_rslora=use_rslora,
-    )
-    return get_peft_model(model, config)
+    return get_peft_model(model, spec.lora_config(task_type, modules_to_save))
 
 
 def count_parameters(model) -> dict:

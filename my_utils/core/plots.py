@@ -5,7 +5,7 @@
     c = compare("runs/run_1_cpu_x2")
     plots.loss_curves(c.runs, c.labels, "loss.png")
 
-``python -m my_utils compare RUNS --out DIR`` draws all of them. Figures are drawn on matplotlib's Agg canvas
+``python -m my_utils compare RUNS --output-dir DIR`` draws all of them. Figures are drawn on matplotlib's Agg canvas
 (no display, no change to pyplot's backend), and matplotlib is imported only when a figure is drawn.
 """
 

@@ -6,9 +6,12 @@
 | `gpt2`          | gpt2                   | -              | alpaca-style instructions  |
 | `opt-350m`      | facebook/opt-350m      | -              | CodeAlpaca-20k, max_length 128 |
 | `roberta-large` | -                      | roberta-large  | a sentence classification set |
+| `smollm2-135m`  | HuggingFaceTB/SmolLM2-135M | -          | alpaca-style instructions  |
 
 Real presets load from the hub when online; each ships its ``config.json`` under ``assets/configs/`` so its
-architecture can be built offline with random weights (parameter counts, memory, speed).
+architecture can be built offline with random weights (parameter counts, memory, speed). A new model is a preset
+here plus its published config.json there (``smollm2-135m``: a Llama, with RMSNorm, a gated SwiGLU MLP and
+grouped-query attention, added that way).
 """
 
 from __future__ import annotations
@@ -90,6 +93,22 @@ PRESETS: dict[str, Preset] = {
         max_length=128,
         lora_targets=("q_proj", "v_proj"),
         batch_size=16,
+        learning_rate=2e-4,
+        max_steps=500,
+    ),
+    "smollm2-135m": Preset(
+        name="smollm2-135m",
+        causal_model="HuggingFaceTB/SmolLM2-135M",
+        classifier_model=None,
+        offline_config={"causal": str(ASSETS / "configs" / "smollm2-135m")},
+        instruction_data="alpaca",
+        max_length=256,
+        # The attention's query and value projections, as for opt-350m: the LoRA paper's choice (Hu et al. 2021
+        # adapt W_q and W_v) and peft's default for Llama models. With grouped-query attention v_proj is narrow
+        # (576 -> 192), so rank 8 adds 30 x 8 x (576 + 576 + 576 + 192) = 460,800 parameters, 0.34% of the model;
+        # lesson 07 compares these with every linear layer (gate_proj, up_proj, down_proj, k_proj, o_proj too).
+        lora_targets=("q_proj", "v_proj"),
+        batch_size=8,
         learning_rate=2e-4,
         max_steps=500,
     ),

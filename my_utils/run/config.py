@@ -1,8 +1,27 @@
-"""A workflow's settings: one dataclass, from which the command line and its one-sentence errors are made."""
+"""A workflow's settings: one dataclass, from which the command line and its one-sentence errors are made.
+
+A notebook passes the dataclass itself to ``notebook_launcher``; a shell gets ``--flags`` generated from its fields
+by ``parse_config``, once for every workflow::
+
+    @dataclass
+    class Config(RunSettings):
+        batch_size: int = setting(8, "examples per process per step")
+        optimizer: str = setting("adamw", "the optimizer", choices=("adamw", "sgd"))
+        adapter: AdapterSpec = setting(AdapterSpec, "LoRA")   # nested: its fields become flags too (--rank ...)
+
+    cfg = parse_config(Config, argv, prog="python -m my_utils.workflows.mine", description="...")
+
+A field whose default is None means "resolved before the results folder opens" (its help says from what); the
+workflow's ``resolve`` fills it, so run.json records what actually ran.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import math
+import types
+import typing
 
 from my_utils import UserError
 
@@ -15,3 +34,104 @@ def check_positive(name: str, value, kind=int) -> None:
         raise UserError(f"{name} must be a positive {'number' if kind is float else 'integer'}, got {value!r}.")
 
 
+def check_choice(name: str, value, choices) -> None:
+    """One sentence for a value that is not one of ``choices``."""
+    if value not in choices:
+        raise UserError(f"Unknown {name} {value!r}; choose one of {', '.join(map(str, choices))}.")
+
+
+def setting(default, help: str, *, choices=None):
+    """A dataclass field with its command-line help (and choices). A dataclass type as ``default`` nests it: its
+    fields become flags of their own."""
+    metadata = {"help": help, "choices": choices}
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=default, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass
+class RunSettings:
+    """What every workflow takes: the same names, flags and meanings everywhere."""
+
+    preset: str = setting("tiny", "model and data preset: tiny (offline CPU), gpt2, opt-350m, smollm2-135m, ...")
+    seed: int = setting(0, "seed of the weights' initialisation and the data order")
+    output_dir: str | None = setting(None, "results folder, which must not exist (default: a new one under runs/)")
+    num_processes: int | None = setting(None, "world size to expect inside each worker (default: the launcher's)")
+    random_init: bool = setting(False, "random weights from the shipped config (offline, no quality)")
+
+
+def _fields(cls):
+    """(field, its resolved type) for every field of ``cls``."""
+    hints = typing.get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def _base_type(kind):
+    """``int | None`` -> int; ``tuple[str, ...]`` -> tuple."""
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    return typing.get_origin(kind) or kind
+
+
+def add_arguments(parser, cls) -> None:
+    """A flag per field of the dataclass ``cls`` (nested dataclasses flattened), with its help and choices."""
+    for f, kind in _fields(cls):
+        meta, base = f.metadata, _base_type(kind)
+        if dataclasses.is_dataclass(base):
+            add_arguments(parser.add_argument_group(meta.get("help")), base)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if base is bool:
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            parser.add_argument(flag, dest=f.name, action=action, default=default, help=meta.get("help"))
+        elif base is tuple:
+            parser.add_argument(flag, dest=f.name, nargs="+", default=default, help=meta.get("help"))
+        else:
+            parser.add_argument(flag, dest=f.name, type=base, default=default, choices=meta.get("choices"),
+                                help=meta.get("help"))
+
+
+def build_config(cls, values: dict):
+    """An instance of the dataclass ``cls`` from parsed flags (``vars(args)``); absent ones keep their default."""
+    kwargs = {}
+    for f, kind in _fields(cls):
+        base = _base_type(kind)
+        if dataclasses.is_dataclass(base):
+            kwargs[f.name] = build_config(base, values)
+        elif f.name in values:
+            value = values[f.name]
+            kwargs[f.name] = tuple(value) if base is tuple and value is not None else value
+    return cls(**kwargs)
+
+
+class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a flag's default unless it is None or False (the help says what None resolves to)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with a bad option reported in one line (what is wrong, where to look), not the whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see --help.\n")
+
+
+def config_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
+    """The command line of the dataclass ``cls``: a flag per field (nested dataclasses flattened), its help and
+    default shown."""
+    parser = OneLineParser(prog=prog, description=description, formatter_class=_ShowDefaults)
+    add_arguments(parser, cls)
+    return parser
+
+
+def parse_config(cls, argv=None, *, prog: str, description: str):
+    """An instance of the dataclass ``cls`` from command-line arguments."""
+    return build_config(cls, vars(config_parser(cls, prog, description).parse_args(argv)))
+
+
+def as_record(cfg) -> dict:
+    """``cfg`` as run.json records it (nested dataclasses as dicts, tuples as lists)."""
+    return dataclasses.asdict(cfg)

@@ -16,6 +16,7 @@ Traps caught here, each with one sentence before anything starts:
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 import socket
 import subprocess
@@ -104,6 +105,21 @@ def _port(port: int | None) -> int:
     return free_port(port) if port else free_port()
 
 
+def _then_end_process_group(function):
+    """``function`` for a notebook-launched worker: called, then the process group torn down once the function's
+    models are gone, as the command line does (``run_main``); gloo can abort a worker that exits with it up."""
+
+    @functools.wraps(function)  # notebook_launcher reads the function's name
+    def worker(*args):
+        from my_utils.run.cli import end_process_group
+
+        result = function(*args)
+        end_process_group()
+        return result
+
+    return worker
+
+
 def launch(function, *args, num_processes: int = 1, port: int | None = None):
     """Run ``function(*args)`` on ``num_processes`` processes from a notebook (or directly for one).
 
@@ -119,7 +135,8 @@ def launch(function, *args, num_processes: int = 1, port: int | None = None):
     if is_cpu_only():
         os.environ["ACCELERATE_USE_CPU"] = "1"
     try:
-        return notebook_launcher(function, args=args, num_processes=num_processes, use_port=str(_port(port)))
+        return notebook_launcher(_then_end_process_group(function), args=args, num_processes=num_processes,
+                                 use_port=str(_port(port)))
     finally:
         if previous is None:
             os.environ.pop("ACCELERATE_USE_CPU", None)
@@ -170,10 +187,15 @@ def accelerate_command(module: str, args: list[str], *, num_processes: int = 1, 
     ]
 
 
+def accelerate_default_config() -> Path | None:
+    """The user-level accelerate config file, if one exists (it changes what `accelerate launch` does)."""
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    path = Path(os.environ.get("ACCELERATE_CONFIG_FILE", home / "accelerate" / "default_config.yaml"))
+    return path if path.is_file() else None
+
+
 def stray_config_note() -> str | None:
     """A note when a user-level accelerate default config exists: the course's commands never read it."""
-    from my_utils.tools.env import accelerate_default_config
-
     stray = accelerate_default_config()
     if stray is None:
         return None

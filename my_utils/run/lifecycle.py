@@ -9,6 +9,7 @@ of the current step with a checkpoint; either way the run ends ``interrupted`` w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -71,8 +72,8 @@ def check_resumable(run_dir: str | Path, config: dict, may_differ=()) -> dict:
                         "with another --output-dir.") from None
     if info.get("status") == "complete":
         raise UserError(f"The run in {run_dir} is already complete; there is nothing to resume.")
-    recorded_config = info.get("config") or {}
-    for key, value in config.items():
+    recorded_config = _flat(info.get("config") or {})
+    for key, value in _flat(config).items():
         if key in may_differ or key not in recorded_config:
             continue
         old = recorded_config[key]
@@ -81,6 +82,15 @@ def check_resumable(run_dir: str | Path, config: dict, may_differ=()) -> dict:
             raise UserError(f"The run in {run_dir} was started with {flag} {old!r}, not {value!r}; resume with "
                             "the same settings, or start a new run with another --output-dir.")
     return info
+
+
+def _flat(config: dict) -> dict:
+    """A nested setting (a dict, e.g. the adapter) compared field by field, each named by its own flag as
+    ``parse_config`` makes them (``--rank``, not ``--adapter``)."""
+    flat = {}
+    for key, value in config.items():
+        flat.update(value if isinstance(value, dict) else {key: value})
+    return flat
 
 
 def _comparable(value):
@@ -182,3 +192,108 @@ def recorded(run: Run | None):
             signal.signal(signal.SIGTERM, previous)
 
 
+
+
+# ---------------------------------------------------------------------------------------------- the lifecycle
+
+
+def join_world(num_processes: int | None, timeout_s: float | None = None) -> int:
+    """Inside every worker, first: the world size this process belongs to, checked against what the launch
+    asked for (the CPU trap: unsynchronised copies), and the processes on this machine against its cores."""
+    from my_utils.run.launch import check_process_count, check_world_size
+
+    world_size = check_world_size(num_processes, timeout_s=timeout_s)
+    check_process_count(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return world_size
+
+
+class Lifecycle:
+    """One run as every workflow lives it; made by ``run_lifecycle``.
+
+    ``folder`` is the results folder (every rank), ``run`` its writer (rank 0; None elsewhere), ``checkpoint``
+    the checkpoint a resumed run continues from (None for a new run). The body logs with ``log``, collects
+    per-rank records with ``gather`` and ends with ``finish(summary)``; ``summary`` is then the same on every rank.
+    """
+
+    def __init__(self, run: Run | None, folder: Path, world_size: int, checkpoint: Path | None):
+        self.run, self.folder, self.world_size, self.checkpoint = run, folder, world_size, checkpoint
+        self.summary: dict | None = None
+        self.finished = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.run is not None
+
+    def log(self, row: dict) -> None:
+        """One metrics line (rank 0 writes it; the others need not know)."""
+        if self.run is not None:
+            self.run.log_metrics(row)
+
+    def gather(self, obj) -> list | None:
+        """One object per rank, on rank 0 (ordered by rank); None elsewhere. Every rank must call it."""
+        from my_utils.run.callbacks import gather_to_rank0
+
+        return gather_to_rank0(obj)
+
+    def finish(self, summary: dict | None) -> dict:
+        """Rank 0 writes ``summary`` (what rank 0 passes; the others may pass None) and marks the run complete;
+        every rank gets it back (only rank 0 when the body already closed the process group)."""
+        from my_utils.core.printing import print0
+
+        if self.run is not None:
+            self.run.finish(summary)
+            print0(f"results folder: {self.folder}")
+        self.summary = _agree_object(summary, self.world_size)
+        self.finished = True
+        return self.summary
+
+
+def _agree_object(obj, world_size: int):
+    """Rank 0's ``obj`` on every rank (each rank keeps its own when the body already closed the process group, as
+    ``accelerator.end_training()`` does)."""
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_initialized():
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return obj
+
+
+@contextmanager
+def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints: str | None = None, **fields):
+    """Open the results folder of ``cfg`` (a workflow's settings, every default already resolved: run.json records
+    them as they are) and live the run: ``cfg.output_dir`` or a new folder under ``default_dir``; with
+    ``cfg.resume``, the same folder continued from the newest whole checkpoint in its ``checkpoints`` subfolder.
+
+    Yields a ``Lifecycle``. A body that raises leaves the run failed (interrupted for Ctrl-C or SIGTERM); one that
+    finishes must call ``finish``. The process group stays up: the command line tears it down once ``train`` has
+    returned (``run_main``), after the models that use it are gone (tearing gloo down under a live DDP model that
+    accelerate still holds can hang).
+    ``fields`` (workflow, ...) go into run.json beside the world size, backend, devices and threads.
+    """
+    from my_utils.core.devices import device_inventory
+    from my_utils.core.models import set_threads
+    from my_utils.core.printing import print0
+
+    threads = set_threads()
+    checkpoint = None
+    if getattr(cfg, "resume", False):
+        run, folder, checkpoint = reopen_run(cfg.output_dir, checkpoints, world_size=world_size)
+        print0(f"resuming {folder} from {checkpoint.relative_to(folder)}")
+    else:
+        run, folder = open_run(cfg.output_dir, default_dir, dataclasses.asdict(cfg), world_size=world_size,
+                               backend=process_group_backend(), devices=device_inventory(),
+                               threads_per_process=threads, **fields)
+    life = Lifecycle(run, folder, world_size, checkpoint)
+    with recorded(run):
+        yield life
+        if not life.finished:
+            raise RuntimeError("the workflow ended without finishing its run")  # a bug, not a user's mistake
+
+
+def process_group_backend() -> str | None:
+    """gloo, nccl..., or None without a process group."""
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else None

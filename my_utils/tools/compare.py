@@ -2,7 +2,7 @@
 
     python -m my_utils compare runs/run_1_cpu_x2                    # tables in the terminal
     python -m my_utils compare runs/run_1_cpu_x2 --markdown         # markdown tables, for the README
-    python -m my_utils compare runs/run_1_cpu_x2 runs/run_2_cuda_x4 --out comparison/   # + PNG plots
+    python -m my_utils compare runs/run_1_cpu_x2 runs/run_2_cuda_x4 --output-dir comparison/   # + PNG plots
 
 Only folders whose run.json says ``complete`` and that have a summary.json enter a table; the others (running,
 failed, interrupted, unreadable, no summary, no training figures) are listed by name with their status. Runs
@@ -359,7 +359,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="results folders, or folders that contain them")
     p.add_argument("--markdown", action="store_true", help="print markdown tables (for the README)")
-    p.add_argument("--out", help="folder to write comparison.md, comparison.txt and the PNG plots into")
+    p.add_argument("--output-dir", dest="out", help="folder to write comparison.md, comparison.txt and the PNG plots into")
     args = p.parse_args(argv)
     missing = [x for x in args.paths if not Path(x).exists()]
     if missing:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.run.launch import accelerate_default_config
 
 # Variables that change what a launch does or what a run measures.
 ENV_VARS = ("ACCELERATE_USE_CPU", "ACCELERATE_CONFIG_FILE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
@@ -20,13 +21,6 @@ ENV_VARS = ("ACCELERATE_USE_CPU", "ACCELERATE_CONFIG_FILE", "CUDA_VISIBLE_DEVICE
 # The settings of an accelerate config that decide how many processes start, where, and in which precision.
 CONFIG_KEYS = ("distributed_type", "num_processes", "num_machines", "use_cpu", "mixed_precision", "gpu_ids",
                "main_process_ip", "main_process_port", "fsdp_config", "deepspeed_config")
-
-
-def accelerate_default_config() -> Path | None:
-    """The user-level accelerate config file, if one exists (it changes what `accelerate launch` does)."""
-    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
-    path = Path(os.environ.get("ACCELERATE_CONFIG_FILE", home / "accelerate" / "default_config.yaml"))
-    return path if path.is_file() else None
 
 
 def read_accelerate_config(path: str | Path) -> dict:

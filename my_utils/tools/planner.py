@@ -1,11 +1,14 @@
 """Memory planner: predict the peak memory of one training process before running it, and say whether it fits.
 
-    python -m my_utils plan --preset opt-350m --method qlora --rank 8 --batch 16 --seq 128 --device T4
+    python -m my_utils plan --preset opt-350m --method qlora --rank 8 --batch-size 16 --max-length 128 --device T4
     python -m my_utils plan --preset gpt2 --method full --dtype bf16 --processes 4 --memory 24GiB
-    python -m my_utils plan --preset tiny --method lora --batch 16 --seq 64 --device cpu   # a CPU process
+    python -m my_utils plan --preset tiny --method lora --batch-size 16 --max-length 64 --device cpu   # a CPU process
 
 The architecture comes from the preset's shipped ``config.json``, built on PyTorch's ``meta`` device (shapes,
-no memory) for exact parameter counts; the LoRA parameters are counted from the target modules' shapes. The
+no memory) for exact parameter counts (tied embeddings counted once); the LoRA parameters are counted from the
+target modules' shapes. The planner knows the module layouts of the GPT-2, OPT, RoBERTa and Llama families
+(``MODELLED``: LayerNorm or RMSNorm, a plain or a gated (SwiGLU) MLP, fused, separate or grouped-query attention)
+and refuses, in one sentence, a model it cannot lay out rather than print a wrong number. The
 peak is split into parts, each computed from a stated rule, each comparable with what a run measures from its
 tensors (``compare_with_run``):
 
@@ -35,6 +38,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -68,6 +72,8 @@ DEVICES = {
 }
 # Activation functions: how many tensors of the MLP's inner size each one saves for backward, and whether the
 # next linear layer's input is one of them (ReLU saves its output, which is the input of the down projection).
+# A gated MLP (Llama's SwiGLU: down(act(gate(x)) * up(x))) adds the product's two factors, and the down
+# projection's input is then the product, a tensor of its own.
 ACTIVATIONS = {
     "gelu_new": (4, False),  # written in Python: x, tanh(...), 0.5*x and 1+tanh(...) are all kept
     "gelu": (1, False),
@@ -75,6 +81,10 @@ ACTIVATIONS = {
     "relu": (1, True),
     "silu": (1, False),
 }
+# The model types whose module layout the planner knows, each checked against what autograd saves
+# (tests/test_planner.py); any other is refused rather than planned with a guess.
+MODELLED = ("gpt2", "opt", "roberta", "llama")
+GATED_MLP_BYTES = 2  # the factors of act(gate(x)) * up(x), both kept for the product's backward
 
 
 @dataclass(frozen=True)
@@ -93,7 +103,12 @@ class Architecture:
     dropout: bool  # residual dropout: active in training, it keeps a mask per layer
     attention_dropout: bool  # dropout on attention weights: on a CPU, no fused attention kernel takes it
     fused_qkv: bool  # one projection makes queries, keys and values (GPT-2's c_attn)
-    extra_norms: int  # layer norms outside the blocks (final norm, embedding norm): each keeps its input
+    extra_norms: int  # norms outside the blocks (final norm, embedding norm): each keeps its input
+    norm: str  # "layer" (LayerNorm: keeps its input, a mean and a 1/std per token) or "rms" (RMSNorm, see _norm_bytes)
+    norm_first: bool  # a block normalises its input (pre-LN: GPT-2, Llama) rather than its residual sums (post-LN)
+    gated_mlp: bool  # down(act(gate(x)) * up(x)), Llama's SwiGLU; otherwise down(act(up(x)))
+    attention_width: int  # query heads x head size: the width of queries, and of keys and values as attention gets them
+    kv_heads: int  # key/value heads (grouped-query attention when fewer than the query heads)
     embedding_dropout: bool  # a dropout module outside the blocks (on the embeddings)
     total_params: int
     linears: dict = field(repr=False)  # module name -> (in features, out features, has bias)
@@ -109,6 +124,17 @@ def _first(config, names, default=None):
     return default
 
 
+def _is_norm(module) -> bool:
+    """A normalisation layer: torch's LayerNorm or a model's own (LlamaRMSNorm, T5LayerNorm...), by class name."""
+    return type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def _refuse(name: str, why: str) -> UserError:
+    """The one-sentence error for a model the planner cannot lay out (``why`` says what it does not know)."""
+    return UserError(f"The memory planner cannot model {name}: {why}, and a guess would be a wrong number; measure "
+                     "a short run of it instead (its summary.json records each part of its memory).")
+
+
 @lru_cache(maxsize=None)
 def architecture(preset: str, role: str | None = None) -> Architecture:
     """The preset's model (causal LM, else classifier) built from its shipped config on the meta device."""
@@ -120,7 +146,8 @@ def architecture(preset: str, role: str | None = None) -> Architecture:
     role = role or ("causal" if p.causal_model else "classifier")
     folder = p.offline_config.get(role)
     if not folder:
-        raise UserError(f"Preset {preset!r} ships no {role} config to plan with; use one of tiny, gpt2, opt-350m.")
+        raise UserError(f"Preset {preset!r} ships no {role} config to plan with; use one of tiny, gpt2, opt-350m, "
+                        "smollm2-135m.")
     try:
         config = AutoConfig.from_pretrained(folder)
     except OSError:
@@ -129,13 +156,17 @@ def architecture(preset: str, role: str | None = None) -> Architecture:
 
 
 def architecture_from_config(config, name: str, role: str = "causal") -> Architecture:
-    """Build ``config``'s model on the meta device and read what the planner needs from it."""
+    """Build ``config``'s model on the meta device and read what the planner needs from it; a model type or a
+    module layout the planner does not know (``MODELLED``) raises UserError."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
 
+    if config.model_type not in MODELLED:
+        raise _refuse(name, f"it knows the layouts of {', '.join(MODELLED[:-1])} and {MODELLED[-1]} models, "
+                            f"not {config.model_type!r}")
     with torch.device("meta"):  # shapes only: nothing is allocated
         if role == "causal":
             model = AutoModelForCausalLM.from_config(config)
@@ -154,27 +185,40 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
         if should_convert_module(module_name, skip):
             quantizable.append(module_name)
     outside = [(n, m) for n, m in model.named_modules() if not re.search(r"\.\d+(\.|$)", n)]
-    norms = sum(isinstance(m, torch.nn.LayerNorm) for _, m in model.named_modules())
+    norms = [(n, m) for n, m in model.named_modules() if _is_norm(m)]
     head = ()
     if role == "classifier":
         head = tuple(n for n in ("classifier", "score") if hasattr(model, n))
     hidden = _first(config, ("hidden_size", "n_embd", "d_model"))
+    layers = _first(config, ("num_hidden_layers", "n_layer"))
+    heads = _first(config, ("num_attention_heads", "n_head"))
+    head_dim = _first(config, ("head_dim",), hidden // heads)
+    kv_heads = _first(config, ("num_key_value_heads",), heads)
+    activation = _first(config, ("activation_function", "hidden_act"), "gelu")
     dropout = _first(config, ("resid_pdrop", "dropout", "hidden_dropout_prob"), 0.0) > 0
     attention_dropout = _first(config, ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob"), 0.0) > 0
+    in_blocks = [n for n in linears if _in_block(n)]
+    gated = any(n.rsplit(".", 1)[-1] == "gate_proj" for n in in_blocks)
+    _check_layout(name, linears, in_blocks, norms, layers, activation, gated, heads * head_dim, kv_heads * head_dim)
     return Architecture(
         name=name,
         model_type=config.model_type,
         role=role,
         hidden=hidden,
         intermediate=_first(config, ("intermediate_size", "ffn_dim", "n_inner"), 4 * hidden),
-        layers=_first(config, ("num_hidden_layers", "n_layer")),
-        heads=_first(config, ("num_attention_heads", "n_head")),
+        layers=layers,
+        heads=heads,
         vocab=config.vocab_size,
-        activation=_first(config, ("activation_function", "hidden_act"), "gelu"),
+        activation=activation,
         dropout=dropout,
         attention_dropout=attention_dropout,
         fused_qkv=any(_role_of(n) == "qkv" and out == 3 * inp for n, (inp, out, _) in linears.items()),
-        extra_norms=norms - 2 * _first(config, ("num_hidden_layers", "n_layer")),
+        extra_norms=sum(not _in_block(n) for n, _ in norms),
+        norm="rms" if any(type(m).__name__.endswith("RMSNorm") for _, m in norms) else "layer",
+        norm_first=config.model_type in ("gpt2", "llama") or bool(getattr(config, "do_layer_norm_before", False)),
+        gated_mlp=gated,
+        attention_width=heads * head_dim,
+        kv_heads=kv_heads,
         embedding_dropout=dropout and any(isinstance(m, torch.nn.Dropout) for _, m in outside),
         total_params=sum(p.numel() for p in model.parameters()),
         linears=linears,
@@ -183,9 +227,40 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
     )
 
 
+def _check_layout(name, linears, in_blocks, norms, layers, activation, gated, q_width, kv_width) -> None:
+    """Refuse a module layout the activation model does not describe: each block must be attention (queries,
+    keys and values, an output projection) and an MLP (up, or gate and up, then down) between two norms of one
+    kind, with an activation whose saved tensors are known."""
+    if activation not in ACTIVATIONS:
+        raise _refuse(name, f"it does not know what the activation {activation!r} keeps for backward")
+    kinds = {type(m).__name__.endswith("RMSNorm") for _, m in norms}
+    in_block_norms = sum(_in_block(n) for n, _ in norms)
+    if len(kinds) > 1 or in_block_norms != 2 * layers:
+        raise _refuse(name, f"its {layers} blocks hold {in_block_norms} norms of {len(kinds)} kinds, where it "
+                            "knows two of one kind per block")
+    unknown = sorted({n.rsplit(".", 1)[-1] for n in in_blocks if _role_of(n) == "other"})
+    roles = Counter(_role_of(n) for n in in_blocks)
+    missing = [r for r in ("qkv", "out", "up", "down") if not roles[r]]
+    if unknown or missing:
+        raise _refuse(name, f"its blocks' linear layers ({', '.join(unknown or missing)}) are not the attention "
+                            "and MLP projections it knows")
+    if roles["up"] != layers * (1 + gated) or roles["down"] != layers:
+        raise _refuse(name, "its MLP is neither up-activation-down nor Llama's gate-and-up")
+    for n in in_blocks:  # separate projections: queries of every head, keys and values of the key/value heads
+        last, width = n.rsplit(".", 1)[-1], linears[n][1]
+        if (last == "q_proj" and width != q_width) or (last in ("k_proj", "v_proj") and width != kv_width):
+            raise _refuse(name, f"its {last} makes {width} features where its config says "
+                                f"{q_width if last == 'q_proj' else kv_width}")
+
+
 def lora_modules(arch: Architecture, targets) -> list[str]:
-    """The linear layers peft adapts: those whose name is, or ends with, a target."""
+    """The linear layers peft adapts: those whose name is, or ends with, a target; "all-linear" is every linear
+    layer inside the blocks (peft leaves the output head out)."""
+    from my_utils.core.adapters import ALL_LINEAR
+
     targets = tuple(targets)
+    if targets == (ALL_LINEAR,):
+        return [n for n in arch.linears if _in_block(n)]
     found = [n for n in arch.linears if n.rsplit(".", 1)[-1] in targets or n in targets]
     if not found:
         raise UserError(f"No linear layer of {arch.name} is called {', '.join(targets)}; "
@@ -199,14 +274,15 @@ def lora_parameters(arch: Architecture, rank: int, targets) -> int:
 
 
 def _role_of(name: str) -> str:
-    """Which part of a transformer block a linear layer is: 'qkv', 'out', 'up', 'down' or 'other'."""
+    """Which part of a transformer block a linear layer is: 'qkv', 'out', 'up' (the MLP's first projections:
+    up, and a gated MLP's gate), 'down' or 'other'."""
     last = name.rsplit(".", 1)[-1]
     if last in ("c_attn", "q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv", "Wqkv"):
         return "qkv"
     if last in ("out_proj", "o_proj") or re.search(r"attn\.c_proj$|attention\.output\.dense$", name):
         return "out"
-    if last in ("c_fc", "fc1", "up_proj") or re.search(r"intermediate\.dense$", name):
-        return "up"
+    if last in ("c_fc", "fc1", "up_proj", "gate_proj") or re.search(r"intermediate\.dense$", name):
+        return "up"  # a gated MLP's gate and up projections both read the norm's output
     if last in ("fc2", "down_proj") or re.search(r"mlp\.c_proj$|\d\.output\.dense$", name):
         return "down"
     return "other"
@@ -225,8 +301,18 @@ def _per_block(arch: Architecture, names) -> dict[str, float]:
     return counts
 
 
+def _norm_bytes(arch: Architecture, tokens: int, trains: bool) -> float:
+    """Bytes one norm keeps for backward: its fp32 input and, per token, its statistics (LayerNorm's kernel: the
+    mean and 1/std; RMSNorm: 1/rms). An RMSNorm is written in Python (``weight * (x * rsqrt(mean(x^2) + eps))``),
+    so when its weight trains the product keeps the normalised input too, a tensor of its own."""
+    stats = 1 if arch.norm == "rms" else 2
+    own = tokens * (arch.hidden * RESIDUAL_BYTES + stats * 4)
+    return own + (tokens * arch.hidden * RESIDUAL_BYTES if arch.norm == "rms" and trains else 0)
+
+
 def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, kept: dict[str, float], *,
-                      held: dict[str, float] | None = None, device: str = "cuda", rank: int = 0) -> float:
+                      held: dict[str, float] | None = None, device: str = "cuda", rank: int = 0,
+                      norms_train: bool = False) -> float:
     """Bytes autograd keeps for one transformer layer until the backward pass, computing in ``act_bytes``
     (2: bf16 autocast over fp32 weights, see ``RESIDUAL_BYTES``).
 
@@ -234,8 +320,15 @@ def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, 
     their weight trains (full fine-tuning) or carries an adapter (LoRA); a frozen layer keeps nothing of its
     input. ``held`` counts the quantized layers that keep their input as they got it (bitsandbytes' 8-bit
     matmul keeps it for the input's gradient). The 'qkv' and 'up' layers read a norm's fp32 output: under
-    autocast each of them keeps its own bf16 copy; otherwise, and for the other parts, the layers reading one
-    tensor share it.
+    autocast each of them keeps its own bf16 copy; so does every LoRA adapter (``rank`` > 0) under autocast, as
+    peft casts its input to the adapter's fp32 dtype and autocast casts it back; otherwise, and for the other
+    parts, the layers reading one tensor share it. ``norms_train`` (full fine-tuning) adds what a norm keeps for
+    its weight's gradient (``_norm_bytes``).
+    The MLP keeps its activation's tensors (``ACTIVATIONS``); a gated one (SwiGLU) also both factors of
+    act(gate) x up, and its down projection reads their product. Attention keeps queries, keys and values at the
+    queries' width: with grouped-query attention transformers repeats the keys and values to every query head
+    before the kernel whenever a padding mask is passed (as with a padded batch; an unpadded one lets the kernel
+    share them, and keeps less).
     Two things depend on the ``device``: a fused attention kernel keeps only its inputs, output and one number
     per head and query, but on a CPU none takes attention dropout, so the plain path keeps three (batch x heads
     x seq x seq) matrices (weights, dropout mask, dropped weights); and a CPU dropout keeps its mask as a full
@@ -243,28 +336,30 @@ def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, 
     """
     held = held or {}
     tokens = batch * seq
-    th, tf = tokens * arch.hidden, tokens * arch.intermediate
-    saved, relu_like = ACTIVATIONS.get(arch.activation, (1, False))
+    th, tf, tq = tokens * arch.hidden, tokens * arch.intermediate, tokens * arch.attention_width
+    saved, relu_like = ACTIVATIONS[arch.activation]
+    if arch.gated_mlp:
+        saved, relu_like = saved + GATED_MLP_BYTES, False
     mask_bytes = act_bytes if device == "cpu" else 1
     fused = device != "cpu" or not arch.attention_dropout
     autocast = act_bytes < RESIDUAL_BYTES
 
     def inputs(part: str, size: int, already_kept: bool = False) -> float:
         n, n_held = kept.get(part, 0), held.get(part, 0)
-        if autocast and part in ("qkv", "up"):
+        if autocast and (part in ("qkv", "up") or rank):
             return n * size * act_bytes + (size * RESIDUAL_BYTES if n_held else 0)
         return size * act_bytes if (n or n_held) and not already_kept else 0
 
     own = (
-        2 * th * RESIDUAL_BYTES  # the inputs of the two layer norms
+        2 * _norm_bytes(arch, tokens, norms_train)  # what the two norms keep
         + act_bytes * (
-            3 * th  # queries, keys and values (the fused kernel keeps them, or views of the fused projection)
-            + th * fused  # the attention output, kept by a fused kernel (otherwise by its projection, if it trains)
-            + saved * tf  # the activation function's own tensors
+            3 * tq  # queries, keys and values (the fused kernel keeps them, or views of the fused projection)
+            + tq * fused  # the attention output, kept by a fused kernel (otherwise by its projection, if it trains)
+            + saved * tf  # the activation function's own tensors (and a gated MLP's two factors)
             + tokens * rank * sum(kept.values())  # LoRA keeps each adapter's A x input for B's gradient
         )
     )
-    projections = (inputs("qkv", th) + inputs("out", th, already_kept=fused) + inputs("up", th)
+    projections = (inputs("qkv", th) + inputs("out", tq, already_kept=fused) + inputs("up", th)
                    + inputs("down", tf, already_kept=relu_like))
     if fused:
         attention = 4 * batch * arch.heads * seq + batch * seq * seq * act_bytes  # log-sum-exp, padding mask
@@ -325,16 +420,31 @@ class Plan:
         return rows
 
 
-def plan(preset: str, method: str = "lora", *, rank: int = 8, targets=None, batch: int | None = None,
-         seq: int | None = None, processes: int = 1, dtype: str = "fp32", quantize: str | None = None,
+# The adapter settings the arithmetic models; any other set away from its default is refused, so a new peft
+# option in AdapterSpec is never planned silently as plain LoRA.
+MODELLED_ADAPTER_FIELDS = ("rank", "alpha", "targets", "rslora")
+
+
+def check_adapter_modelled(adapter) -> None:
+    """One sentence if ``adapter`` (an AdapterSpec) uses a setting whose memory the planner does not model."""
+    from dataclasses import fields
+
+    for f in fields(adapter):
+        if f.name not in MODELLED_ADAPTER_FIELDS and getattr(adapter, f.name) != f.default:
+            raise UserError(f"The planner does not model the memory of --{f.name.replace('_', '-')} "
+                            f"{getattr(adapter, f.name)!r}; plan without it and measure the run.")
+
+
+def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | None = None,
+         max_length: int | None = None, processes: int = 1, dtype: str = "fp32", quantize: str | None = None,
          gradient_checkpointing: bool = False, device: str = "cuda") -> Plan:
     """Predict one process's peak tensor memory for fine-tuning ``preset`` with ``method`` (full, lora, qlora).
 
-    ``quantize`` is '4bit' (NF4, the default for qlora) or '8bit'; ``batch`` is per process; ``seq`` is the
-    padded sequence length (default: the preset's max_length); ``device`` is 'cuda' or 'cpu' (see
-    ``layer_activations``).
+    ``adapter`` is an AdapterSpec (default: rank 8 on the preset's targets); ``quantize`` is '4bit' (NF4, the
+    default for qlora) or '8bit'; ``batch_size`` is per process; ``max_length`` is the padded sequence length
+    (default: the preset's); ``device`` is 'cuda' or 'cpu' (see ``layer_activations``).
     """
-    from my_utils.core.models import check_lora_args
+    from my_utils.core.adapters import AdapterSpec
     from my_utils.core.presets import get_preset
     from my_utils.run.config import check_positive
 
@@ -344,15 +454,17 @@ def plan(preset: str, method: str = "lora", *, rank: int = 8, targets=None, batc
         raise UserError(f"Unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
     if device not in ("cuda", "cpu"):
         raise UserError(f"Unknown device kind {device!r}; choose cuda or cpu.")
-    batch = p.batch_size if batch is None else batch
-    seq = p.max_length if seq is None else seq
-    for name, value in (("--batch", batch), ("--seq", seq), ("--processes", processes)):
+    batch = p.batch_size if batch_size is None else batch_size
+    seq = p.max_length if max_length is None else max_length
+    for name, value in (("--batch-size", batch), ("--max-length", seq), ("--processes", processes)):
         check_positive(name, value)
+    adapter = adapter or AdapterSpec()
     if method != "full":
-        check_lora_args(rank)
+        adapter.check()
+        check_adapter_modelled(adapter)
     arch = architecture(preset)
-    targets = targets or (p.lora_targets if arch.role == "causal" else p.classifier_lora_targets)
-    return estimate(arch, method, quantize=quantize, rank=rank, targets=targets, batch=batch, seq=seq,
+    adapter = adapter.resolved(p.lora_targets if arch.role == "causal" else p.classifier_lora_targets)
+    return estimate(arch, method, quantize=quantize, rank=adapter.rank, targets=adapter.targets, batch=batch, seq=seq,
                     processes=processes, dtype=dtype, gradient_checkpointing=gradient_checkpointing, device=device)
 
 
@@ -388,24 +500,36 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
     # Autocast multiplies bf16 copies of the weights, and a product whose input needs a gradient keeps its copy
     # for backward (bitsandbytes dequantizes inside its own function and keeps nothing).
     copies = {True: 0, False: 0}  # elements, in the blocks and outside them
+    first_block_copies = 0  # of them, the first block's query/key/value projections (see below)
     if autocast:
         for n, (d_in, d_out, _) in arch.linears.items():
             if n not in arch.quantizable or quantize == "none":
                 copies[_in_block(n)] += d_in * d_out
+                first_block_copies += d_in * d_out / arch.layers if _in_block(n) and _role_of(n) == "qkv" else 0
         copies[True] += lora
 
     # saved activations: the layers, then the embeddings and the head
     tokens = batch * seq
     one_layer = layer_activations(arch, batch, seq, dtype_bytes, kept, held=held, device=device,
-                                  rank=rank if method != "full" else 0) + copies[True] * dtype_bytes / arch.layers
+                                  rank=rank if method != "full" else 0, norms_train=method == "full") \
+        + copies[True] * dtype_bytes / arch.layers
     if gradient_checkpointing:
         layers = arch.layers * tokens * arch.hidden * RESIDUAL_BYTES  # each layer's input; backward recomputes
     else:
         layers = arch.layers * one_layer
+        if method != "full" and kept.get("qkv"):
+            # Adapters leave the embeddings frozen: the first block's input needs no gradient, so until its first
+            # adapters (on the attention's input projections) nothing keeps anything: not the first norm (of a
+            # pre-LN block), not the frozen projections' bf16 weight copies, not a quantized layer's input.
+            # (Adapters that start later in the block leave more of the first block unkept: there the plan errs
+            # high, by less than one block.)
+            held_input = tokens * arch.hidden * RESIDUAL_BYTES if autocast and held.get("qkv") else 0
+            layers -= (_norm_bytes(arch, tokens, False) * arch.norm_first + first_block_copies * dtype_bytes
+                       + held_input)
     # the inputs of the norms outside the blocks, the embedding dropout's mask, the weight copies outside
     mask_bytes = RESIDUAL_BYTES if device == "cpu" else 1
-    edges = (tokens * arch.hidden * (arch.extra_norms * RESIDUAL_BYTES + arch.embedding_dropout * mask_bytes)
-             + copies[False] * dtype_bytes)
+    edges = (arch.extra_norms * _norm_bytes(arch, tokens, method == "full")
+             + tokens * arch.hidden * arch.embedding_dropout * mask_bytes + copies[False] * dtype_bytes)
     backward_extra = one_layer if gradient_checkpointing else 0
     if arch.role == "causal":
         edges += tokens * arch.vocab * 4  # the loss keeps fp32 log-probabilities
@@ -504,15 +628,19 @@ def plan_for_run(summary: dict, rank: int = 0) -> Plan:
     """The plan for what a run of the LoRA workflow did on process ``rank``: its preset, method, quantization,
     LoRA rank and targets, mixed precision, processes, device, and the shape of the first batch it trained on
     (the batch its memory callback measured the saved activations of)."""
+    from my_utils.core.adapters import AdapterSpec
+
     if summary.get("workflow") != "lora" or not summary.get("first_batches"):
         raise UserError("Only a LoRA-workflow summary (my_utils.workflows.lora) records what the plan needs; "
                         "pass the summary.json of such a run.")
     quantization = summary["quantization"]
     first = summary["first_batches"][rank]
     method = "full" if summary["method"] == "full" else "lora" if quantization is None else "qlora"
-    return plan(summary["preset"], method, rank=summary["rank"] or 8,  # the rank is unused by full fine-tuning
+    recorded = summary.get("adapter")  # None for full fine-tuning
+    adapter = AdapterSpec(**{**recorded, "targets": tuple(recorded["targets"])}) if recorded else None
+    return plan(summary["preset"], method, adapter=adapter,
                 quantize=None if quantization is None else f"{quantization['bits']}bit",
-                targets=summary.get("targets"), batch=first["batch_size"], seq=first["seq_len"],
+                batch_size=first["batch_size"], max_length=first["seq_len"],
                 processes=summary["world_size"], gradient_checkpointing=summary.get("gradient_checkpointing", False),
                 dtype="fp32" if summary["mixed_precision"] == "no" else "bf16",  # fp16 autocast: 2 bytes as bf16
                 device="cuda" if summary["memory"][rank]["end"]["device"].startswith("cuda") else "cpu")
@@ -569,17 +697,18 @@ def render(p: Plan, limit: float | None = None, limit_name: str = "") -> str:
 def main(argv=None) -> Plan:
     import argparse
 
+    from my_utils.core.adapters import AdapterSpec
     from my_utils.core.presets import PRESETS
+    from my_utils.run.config import add_arguments, build_config
 
     ap = argparse.ArgumentParser(prog="python -m my_utils plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)}")
     ap.add_argument("--method", default="lora", help="full, lora or qlora (4-bit; qlora-8bit for 8-bit)")
     ap.add_argument("--quantize", choices=("4bit", "8bit"), help="QLoRA's weight format (default 4bit)")
-    ap.add_argument("--rank", type=int, default=8, help="LoRA rank")
-    ap.add_argument("--targets", nargs="+", help="LoRA target modules (default: the preset's)")
-    ap.add_argument("--batch", type=int, help="batch per process (default: the preset's)")
-    ap.add_argument("--seq", type=int, help="tokens per example after padding (default: the preset's max_length)")
+    add_arguments(ap.add_argument_group("the adapter (LoRA, QLoRA)"), AdapterSpec)
+    ap.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
+    ap.add_argument("--max-length", type=int, help="tokens per example after padding (default: the preset's)")
     ap.add_argument("--processes", type=int, default=1, help="data-parallel processes, one per device")
     ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
                     help="compute dtype (bf16: mixed precision, autocast over fp32 weights)")
@@ -599,7 +728,8 @@ def main(argv=None) -> Plan:
         limit, limit_name = psutil.virtual_memory().total / args.processes, f"this machine's memory / {args.processes}"
     elif args.device:
         limit_name, limit = device_memory(args.device)
-    p = plan(args.preset, args.method, rank=args.rank, targets=args.targets, batch=args.batch, seq=args.seq,
+    p = plan(args.preset, args.method, adapter=build_config(AdapterSpec, vars(args)), batch_size=args.batch_size,
+             max_length=args.max_length,
              processes=args.processes, dtype=args.dtype, quantize=args.quantize,
              gradient_checkpointing=args.gradient_checkpointing, device="cpu" if on_cpu else "cuda")
     quantize = p.method.split("-", 1)[1] if p.method.startswith("qlora") else "none"

@@ -1,11 +1,11 @@
 """A LoRA sweep over a grid of settings: one fresh process per cell, each writing its own results folder, then
 tables, plots and sentences computed from those folders.
 
-    python -m my_utils.tools.sweep --preset tiny --grid rank=1,4,16,64 alpha=32 --out runs/sweeps/tiny
-    python -m my_utils.tools.sweep --preset tiny --grid rank=4,64 alpha=32 learning_rate=2e-3,8e-3 \\
-        --grid method=full learning_rate=2e-4,8e-4 --jobs 2 --out runs/sweeps/tiny_lr
-    python -m my_utils.tools.sweep --preset opt-350m --ranks 8 128 256 --out runs/sweeps/opt-350m   # a GPU
-    python -m my_utils.tools.sweep --spec sweep.json --out runs/sweeps/mine
+    python -m my_utils sweep --preset tiny --grid rank=1,4,16,64 alpha=32 --output-dir runs/sweeps/tiny
+    python -m my_utils sweep --preset tiny --grid rank=4,64 alpha=32 learning_rate=2e-3,8e-3 \\
+        --grid method=full learning_rate=2e-4,8e-4 --jobs 2 --output-dir runs/sweeps/tiny_lr
+    python -m my_utils sweep --preset opt-350m --ranks 8 128 256 --output-dir runs/sweeps/opt-350m   # a GPU
+    python -m my_utils sweep --spec sweep.json --output-dir runs/sweeps/mine
 
 A sweep is declarative: a spec (a preset, the workflow options every cell shares, and grids) saved as
 ``sweep.json`` in the sweep folder. A grid maps workflow options to the values they take, and its cells are every
@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core.adapters import AdapterSpec
 from my_utils.run.results import RUNS_ROOT, atomic_write_json, load_run, read_json, unique_dir
 
 WORKFLOW = "my_utils.workflows.lora"
@@ -57,11 +58,15 @@ SHORT_NAMES = {"learning_rate": "lr", "max_steps": "steps", "batch_size": "batch
 STEADY_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-def _option_types() -> dict[str, str]:
-    """The workflow's options and their declared types, in the workflow's order."""
-    from my_utils.workflows.lora import Config
+def _options() -> dict:
+    """The workflow's options, in its order: the command line ``parse_config`` generates from its Config (the
+    adapter's fields included), name -> argparse action. A field added to the Config or to ``AdapterSpec`` is an
+    option here with no edit."""
+    from my_utils.run.config import config_parser
+    from my_utils.workflows.lora import DESCRIPTION, Config
 
-    return {f.name: f.type for f in fields(Config)}
+    parser = config_parser(Config, prog=WORKFLOW, description=DESCRIPTION)
+    return {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
 
 
 def _flags(options: dict) -> list[str]:
@@ -92,18 +97,27 @@ def _workflow_config(options: dict):
         raise UserError(f"The LoRA workflow rejects {' '.join(_flags(options))}: {reason}") from None
 
 
-def _canonical(key: str, value, types: dict):
+def _option_values(cfg) -> dict:
+    """The workflow's Config as option -> value (a nested dataclass's fields, e.g. the adapter's, at the top level,
+    as they are on the command line)."""
+    values = {}
+    for key, value in asdict(cfg).items():
+        values.update(value if isinstance(value, dict) else {key: value})
+    return values
+
+
+def _canonical(key: str, value, options: dict):
     """``value`` as the workflow reads it (1e-3 and 0.001 are one value; a list of modules stays a list)."""
     if key in SET_BY_SWEEP:
         raise UserError(f"The sweep sets --{key.replace('_', '-')} itself; remove it from the grid and the args.")
-    if key not in types:
+    if key not in options:
         raise UserError(f"The LoRA workflow has no option --{key.replace('_', '-')}; "
                         "see python -m my_utils.workflows.lora --help.")
-    if types[key] == "bool":
+    if options[key].nargs == 0:  # a switch
         if not isinstance(value, bool):
             raise UserError(f"--{key.replace('_', '-')} is a switch: give true or false, not {value!r}.")
         return value
-    value = getattr(_workflow_config({key: value}), key)
+    value = _option_values(_workflow_config({key: value}))[key]
     return list(value) if isinstance(value, tuple) else value
 
 
@@ -139,19 +153,19 @@ class SweepSpec:
         from my_utils.workflows.lora import validate
 
         get_preset(self.preset)
-        types = _option_types()
-        self.args = {key: _canonical(key, value, types) for key, value in self.args.items()}
-        self.grids = [self._checked_grid(grid, types) for grid in
+        options = _options()
+        self.args = {key: _canonical(key, value, options) for key, value in self.args.items()}
+        self.grids = [self._checked_grid(grid, options) for grid in
                       (self.grids or DEFAULT_GRIDS.get(self.preset, REAL_MODEL_GRIDS))]
         targets = set()
         for cell in self.cells():
             cfg = _workflow_config({"preset": self.preset, **self.args, **cell})
             validate(cfg)
-            if cfg.method == "lora" and cfg.targets:
-                targets.add(cfg.targets)
+            if cfg.method == "lora" and cfg.adapter is not None and cfg.adapter.targets:
+                targets.add(cfg.adapter.targets)
         _check_targets(self.preset, targets)
 
-    def _checked_grid(self, grid: dict, types: dict) -> dict:
+    def _checked_grid(self, grid: dict, options: dict) -> dict:
         if not isinstance(grid, dict):
             raise UserError(f"A grid maps options to lists of values, like {{'rank': [4, 16]}}; got {grid!r}.")
         checked = {}
@@ -160,7 +174,7 @@ class SweepSpec:
                 raise UserError(f"--{key.replace('_', '-')} is both a grid option and a shared arg; keep one.")
             if not isinstance(values, (list, tuple)) or not values:
                 raise UserError(f"The grid's {key} takes a non-empty list of values, like [4, 16]; got {values!r}.")
-            checked[key] = [_canonical(key, value, types) for value in values]
+            checked[key] = [_canonical(key, value, options) for value in values]
             repeated = [v for i, v in enumerate(checked[key]) if v in checked[key][:i]]
             if repeated:
                 raise UserError(f"The grid gives {key} {repeated[0]!r} twice; list each value once.")
@@ -169,7 +183,7 @@ class SweepSpec:
     def cells(self) -> list[dict]:
         """Every grid's cells, in order, each once: the options that set a cell apart (in the workflow's order;
         None and False, the workflow's defaults, left out)."""
-        order = list(_option_types())
+        order = list(_options())
         cells = {}
         for grid in self.grids:
             for values in itertools.product(*grid.values()):
@@ -231,7 +245,7 @@ def _check_same_experiment(spec: SweepSpec, out: Path) -> None:
     if different:
         raise UserError(
             f"The sweep in {out} was run with another {different[0]} ({saved.get(different[0])!r}); "
-            "use another --out for a different experiment."
+            "use another --output-dir for a different experiment."
         )
 
 
@@ -325,8 +339,17 @@ def _ended(folder: Path, seconds: float) -> str:
     return line
 
 
-# What a row says about its cell: the settings in effect (defaults resolved), from summary.json and run.json.
-SETTINGS = ("method", "rank", "alpha", "rslora", "targets", "learning_rate", "steps", "seed")
+# What a row says about its cell: the settings in effect (defaults resolved), from summary.json and run.json; the
+# adapter's are every field of AdapterSpec.
+ADAPTER_SETTINGS = tuple(f.name for f in fields(AdapterSpec))
+SETTINGS = ("method", *ADAPTER_SETTINGS, "learning_rate", "steps", "seed")
+
+
+def _settings(run: dict) -> dict:
+    """A run's settings as it ran: its recorded config, then its summary (the resolved values win), each with
+    the adapter's fields at the top level."""
+    config, summary = run["run"]["config"], run["summary"]
+    return {**config, **(config.get("adapter") or {}), **summary, **(summary.get("adapter") or {})}
 
 
 def load_sweep(out: str | Path) -> list[dict]:
@@ -340,7 +363,7 @@ def load_sweep(out: str | Path) -> list[dict]:
             continue
         run = load_run(folder)
         s = run["summary"]
-        settings = {**run["run"]["config"], **s}  # the summary's values are the resolved ones
+        settings = _settings(run)
         rows.append({
             "name": folder.name,
             "path": str(folder),
@@ -388,6 +411,9 @@ def _label(row: dict, keys=("rank", "alpha", "rslora", "targets")) -> str:
              "rslora": "rsLoRA" if row["rslora"] else "", "targets": "+".join(row["targets"]),
              "learning_rate": f"lr {row['learning_rate']:g}", "steps": f"{row['steps']} steps",
              "seed": f"seed {row['seed']}"}
+    for key in keys:  # any other setting (an adapter field added later): its name and value
+        if key not in words:
+            words[key] = key if row[key] is True else "" if row[key] in (False, None) else f"{key} {row[key]}"
     return ", ".join(words[k] for k in keys if words[k]) or "LoRA"
 
 
@@ -732,7 +758,7 @@ def _literal(text: str):
 def parse_args(argv=None) -> tuple[SweepSpec, Path, int]:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m my_utils.tools.sweep", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m my_utils sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", type=Path, help="a JSON file with preset, grids, args (the options below override it)")
     p.add_argument("--preset", help="tiny (CPU, offline), gpt2, opt-350m (default: tiny)")
@@ -740,7 +766,8 @@ def parse_args(argv=None) -> tuple[SweepSpec, Path, int]:
                    help="one grid of workflow options and their values (repeat --grid for several); default: "
                    "rank=1,4,16,64 alpha=32 on tiny, rank=8,128,256 alpha=16 otherwise")
     p.add_argument("--ranks", type=int, nargs="+", help="the grid rank=R1,R2,... (alpha: the workflow's 2 x rank)")
-    p.add_argument("--out", type=Path, help="the sweep folder (default: runs/sweeps/<preset>); reuse it to resume")
+    p.add_argument("--output-dir", dest="out", type=Path,
+                   help="the sweep folder (default: runs/sweeps/<preset>); reuse it to resume")
     p.add_argument("--jobs", type=int, default=1,
                    help="one-process cells trained side by side on a CPU (default 1: one at a time)")
     p.add_argument("--num-processes", type=int, help="processes per cell's run (accelerate launch when > 1)")

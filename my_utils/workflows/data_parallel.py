@@ -20,30 +20,47 @@ metrics.jsonl, summary.json with samples/s, tokens/s, loss and the peak memory o
 
 from __future__ import annotations
 
-import argparse
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, replace
 
 from my_utils import UserError
+from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 
 @dataclass
-class Config:
-    preset: str = "tiny"
-    batch_size: int = 16  # the whole batch: DataParallel splits it over the GPUs
-    max_steps: int = 10
-    max_length: int = 128  # tokens per packed block
-    learning_rate: float | None = None  # default: the preset's, divided by 10 (full fine-tuning)
-    dropout: float = 0.0
-    seed: int = 0
-    warmup_steps: int | None = None  # first steps left out of samples/s (default 2)
-    log_every: int = 5
-    num_gpus: int | None = None  # default: every visible GPU
-    output_dir: str | None = None  # default: runs/data_parallel/<preset>_<devices>
-    num_processes: int | None = None  # must be 1: checked inside the worker
-    random_init: bool = False
+class Config(RunSettings):
+    batch_size: int = setting(16, "blocks per step, the whole batch of the one process: DataParallel cuts it over "
+                              "the GPUs")
+    max_steps: int = setting(10, "optimizer steps")
+    max_length: int = setting(128, "tokens per packed block")
+    learning_rate: float | None = setting(None, "default: the preset's full fine-tuning rate")
+    dropout: float = setting(0.0, "dropout probability everywhere")
+    untimed_steps: int | None = setting(None, "first steps left out of the throughput figures (allocation, caches; "
+                                        "default 2, fewer for shorter runs)")
+    logging_steps: int = setting(5, "steps between metrics lines")
+    num_gpus: int | None = setting(None, "GPUs to split over (default: every visible GPU; 0 on a machine without)")
+
+
+def validate(cfg: Config):
+    """Check the config before anything starts; returns the preset."""
+    from my_utils.run.config import check_positive
+    from my_utils.workflows.ddp_common import validate_common
+
+    preset = validate_common(cfg)
+    check_positive("--logging-steps", cfg.logging_steps)
+    return preset
+
+
+def resolve(cfg: Config, preset, gpus: list[int]) -> Config:
+    """Every default settled, as run.json records it: the learning rate, the untimed steps, the GPUs and the one
+    process."""
+    from my_utils.core.learning_rate import default_learning_rate
+    from my_utils.workflows.ddp_common import untimed_steps
+
+    return replace(cfg, learning_rate=cfg.learning_rate or default_learning_rate(preset, "full"),
+                   untimed_steps=untimed_steps(cfg), num_gpus=len(gpus), num_processes=1)
 
 
 def check_single_process(world_size: int) -> None:
@@ -55,15 +72,15 @@ def check_single_process(world_size: int) -> None:
 
 
 def gpus_to_use(num_gpus: int | None) -> list[int]:
-    """The GPU indices DataParallel will split over ([] on a machine without GPUs)."""
+    """The GPU indices DataParallel will split over ([]: the CPU, as on a machine without GPUs)."""
     import torch
 
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if num_gpus is None:
         return list(range(available))
-    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or num_gpus < 1 or num_gpus > available:
-        raise UserError(f"--num-gpus must be between 1 and the {available} GPU(s) of this machine, got {num_gpus!r}; "
-                        "leave it out to use every GPU.")
+    if isinstance(num_gpus, bool) or not isinstance(num_gpus, int) or not 0 <= num_gpus <= available:
+        raise UserError(f"--num-gpus must be between 0 (the CPU) and the {available} GPU(s) of this machine, got "
+                        f"{num_gpus!r}; leave it out to use every GPU.")
     return list(range(num_gpus))
 
 
@@ -75,6 +92,7 @@ def chunk_sizes(batch_size: int, n_devices: int) -> list[int]:
     return [len(c) for c in torch.arange(batch_size).chunk(max(1, n_devices))]
 
 
+
 def train(cfg: Config) -> dict:
     """Train with DataParallel over every visible GPU (or plainly on the CPU); returns the summary."""
     import torch
@@ -82,52 +100,47 @@ def train(cfg: Config) -> dict:
     from tqdm.auto import tqdm
 
     from my_utils.core.data import check_enough_rows
-    from my_utils.core.devices import device_inventory
     from my_utils.core.memory import peak_bytes, reset_peak, snapshot
-    from my_utils.core.models import set_threads
     from my_utils.core.printing import print0
-    from my_utils.run.launch import check_world_size
-    from my_utils.run.lifecycle import open_run, recorded
-    from my_utils.workflows.ddp_common import (block_dataset, build_model, default_learning_rate, throughput,
-                                               validate_common, warmup_steps, worker_report, write_worker_report)
+    from my_utils.run.lifecycle import join_world, run_lifecycle
+    from my_utils.workflows.ddp_common import block_dataset, build_model, throughput, worker_report, write_worker_report
 
-    preset = validate_common(cfg)
-    warmup = warmup_steps(cfg)
-    check_single_process(check_world_size(cfg.num_processes))
+    preset = validate(cfg)
+    check_single_process(join_world(cfg.num_processes))
     gpus = gpus_to_use(cfg.num_gpus)
-    threads = set_threads()
+    cfg = resolve(cfg, preset, gpus)
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)
-    learning_rate = cfg.learning_rate or default_learning_rate(preset)
     dataset = block_dataset(preset, cfg.max_length)
     check_enough_rows(len(dataset), cfg.batch_size)
     name = f"{cfg.preset}_{'cuda_x' + str(len(gpus)) if gpus else 'cpu'}"
-    run, run_dir = open_run(cfg.output_dir, RUNS_ROOT / "data_parallel" / name, asdict(cfg),
-                            workflow="data_parallel", world_size=1, backend=None, devices=device_inventory(),
-                            threads_per_process=threads)
-    with recorded(run):
+    with run_lifecycle(cfg, 1, default_dir=RUNS_ROOT / "data_parallel" / name, workflow="data_parallel") as life:
+        # region: the wrapper
         # The model lives on the first GPU; DataParallel copies it to the others at every forward pass.
         first = f"cuda:{gpus[0]}" if gpus else "cpu"
         model = build_model(preset, random_init=cfg.random_init, dropout=cfg.dropout, device_map={"": first})
         parallel = torch.nn.DataParallel(model, device_ids=gpus or None)
-        write_worker_report(run_dir, worker_report(model, gpus_driven=gpus))
+        write_worker_report(life.folder, worker_report(model, gpus_driven=gpus))
         split = chunk_sizes(cfg.batch_size, len(gpus))
         print0(f"DataParallel over {len(gpus)} GPU(s): each batch of {cfg.batch_size} is cut into {split}"
                if gpus else "No GPU: DataParallel calls the model directly on the CPU (one device, nothing to split).")
+        # endregion
 
         generator = torch.Generator().manual_seed(cfg.seed)
         loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True, generator=generator)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
-        for device in gpus or ["cpu"]:
-            reset_peak(f"cuda:{device}" if gpus else device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+        devices = [f"cuda:{g}" for g in gpus] or ["cpu"]
+        for device in devices:
+            reset_peak(device)
         losses, batches = [], iter(())
         loop_started = time.perf_counter()
         for step in tqdm(range(1, cfg.max_steps + 1), desc="data_parallel"):
-            if step == warmup + 1:
+            if step == cfg.untimed_steps + 1:
                 started = time.perf_counter()
             batch = next(batches, None)
             if batch is None:  # a new epoch
                 batches = iter(loader)
                 batch = next(batches)
+            # region: the step
             batch = {k: v.to(first) for k, v in batch.items()}  # scatter starts from the first device
             with warnings.catch_warnings():
                 # each replica returns a scalar loss; gathering scalars makes a vector (that is expected)
@@ -137,63 +150,32 @@ def train(cfg: Config) -> dict:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            # endregion
             losses.append(loss.item())  # .item() waits for the GPUs: the timing below is honest
-            if run is not None and (step % cfg.log_every == 0 or step == cfg.max_steps):
-                run.log_metrics({"step": step, "loss": losses[-1], "time": time.time()})
+            if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+                life.log({"step": step, "loss": losses[-1], "time": time.time()})
         elapsed = time.perf_counter() - started
         runtime = time.perf_counter() - loop_started
-        memory = [snapshot(f"cuda:{g}") for g in gpus] or [snapshot("cpu")]
-
-        summary = {
-            "workflow": "data_parallel",
-            "preset": cfg.preset,
-            "world_size": 1,
-            "backend": None,
-            "threads_per_process": threads,
-            "devices_used": [f"cuda:{g}" for g in gpus] or ["cpu"],
-            "chunk_sizes": split if gpus else [cfg.batch_size],
-            "batch_size": cfg.batch_size,
-            "effective_batch": cfg.batch_size,
-            "max_length": cfg.max_length,
-            "learning_rate": learning_rate,
-            "steps": cfg.max_steps,
-            "train_loss_first": losses[0],
-            "train_loss_final": losses[-1],
-            "runtime_s": runtime,
-            **throughput(cfg.max_steps - warmup, cfg.batch_size, cfg.max_length, elapsed),
+        memory = [snapshot(device) for device in devices]
+        life.finish({
+            "workflow": "data_parallel", "preset": cfg.preset, "world_size": 1, "backend": None,
+            "threads_per_process": torch.get_num_threads(), "devices_used": devices,
+            "chunk_sizes": split if gpus else [cfg.batch_size], "batch_size_per_process": cfg.batch_size,
+            "effective_batch": cfg.batch_size, "max_length": cfg.max_length, "learning_rate": cfg.learning_rate,
+            "steps": cfg.max_steps, "train_loss_first": losses[0], "train_loss_final": losses[-1],
+            "runtime_s": runtime, **throughput(cfg.max_steps - cfg.untimed_steps, cfg.batch_size, cfg.max_length, elapsed),
             "memory": [{"rank": 0, "end": m} for m in memory],
             "peak_memory_bytes": max(peak_bytes(m) for m in memory),
-        }
-        run.finish(summary)
-        print0(f"results folder: {run_dir}")
-    return summary
+        })
+    return life.summary
+
+
+DESCRIPTION = ("Full fine-tuning with torch.nn.DataParallel: one process splits each batch over every GPU (on a "
+               "CPU-only machine it runs on the CPU, unsplit). Writes a results folder and prints its summary.")
 
 
 def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(
-        prog="python -m my_utils.workflows.data_parallel",
-        description="Full fine-tuning with torch.nn.DataParallel: one process splits each batch over every GPU "
-        "(on a CPU-only machine it runs on the CPU, unsplit). Writes a results folder and prints its summary.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    defaults = Config()
-    p.add_argument("--preset", default=defaults.preset, help="tiny (offline CPU), gpt2, opt-350m")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="blocks per step, split over GPUs")
-    p.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps")
-    p.add_argument("--max-length", type=int, default=defaults.max_length, help="tokens per packed block")
-    p.add_argument("--learning-rate", type=float, default=None, help="default: the preset's / 10")
-    p.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout probability everywhere")
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="first steps left out of the throughput figures (default 2, fewer for shorter runs)")
-    p.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between metrics lines")
-    p.add_argument("--num-gpus", type=int, default=None, help="GPUs to split over (default: all)")
-    p.add_argument("--output-dir", default=None, help="results folder (must not exist)")
-    p.add_argument("--num-processes", type=int, default=None, help="must be 1 (default: WORLD_SIZE)")
-    p.add_argument("--random-init", action="store_true", help="random weights from the shipped config (offline)")
-    args = p.parse_args(argv)
-    names = {f.name for f in fields(Config)}
-    return Config(**{k: v for k, v in vars(args).items() if k in names})
+    return parse_config(Config, argv, prog="python -m my_utils.workflows.data_parallel", description=DESCRIPTION)
 
 
 def main(argv=None) -> dict:

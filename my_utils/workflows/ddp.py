@@ -21,51 +21,65 @@ rank) and workers/rank_<r>.json (the world size, backend and model device each w
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, replace
 
+from my_utils.core.learning_rate import LR_SCALING
+from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass
-class Config:
-    preset: str = "tiny"
-    batch_size: int = 8  # per process: the global batch is batch_size x grad_accum x processes
-    grad_accum: int = 1
-    max_steps: int = 20  # optimizer steps
-    max_length: int = 128  # tokens per packed block
-    learning_rate: float | None = None  # default: the preset's, divided by 10 (full fine-tuning)
-    lr_scaling: str = "none"  # none | linear | sqrt, from the preset's batch to the global batch
-    optimizer: str = "adamw"  # adamw | sgd (plain SGD makes equal gradients give visibly equal weights)
-    dropout: float = 0.0
-    seed: int = 0
-    warmup_steps: int | None = None  # first steps left out of samples/s (default 2: allocation, caches)
-    log_every: int = 5
-    save_model: bool = False  # save the final weights (safetensors) into the results folder
-    output_dir: str | None = None  # default: runs/ddp/<preset>_x<processes>
-    num_processes: int | None = None  # what the launch asked for; checked inside every worker
-    random_init: bool = False  # random weights from the shipped config (offline, for speed measurements)
+class Config(RunSettings):
+    batch_size: int = setting(8, "blocks per process per micro-batch: the global batch is batch_size x grad_accum "
+                              "x processes")
+    grad_accum: int = setting(1, "micro-batches per optimizer step")
+    max_steps: int = setting(20, "optimizer steps")
+    max_length: int = setting(128, "tokens per packed block")
+    learning_rate: float | None = setting(None, "default: the preset's full fine-tuning rate")
+    lr_scaling: str = setting("none", "scale the learning rate from the preset's batch to the global batch",
+                              choices=LR_SCALING)
+    optimizer: str = setting("adamw", "sgd makes runs that see equal gradients end with visibly equal weights",
+                             choices=OPTIMIZERS)
+    dropout: float = setting(0.0, "dropout probability everywhere")
+    untimed_steps: int | None = setting(None, "first steps left out of the throughput figures (allocation, caches; "
+                                        "default 2, fewer for shorter runs)")
+    logging_steps: int = setting(5, "steps between metrics lines")
+    save_model: bool = setting(False, "save the final weights (safetensors) in the results folder")
 
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
-    from my_utils import UserError
-    from my_utils.core.learning_rate import LR_SCALING
-    from my_utils.run.config import check_positive
+    from my_utils.run.config import check_choice, check_positive
     from my_utils.workflows.ddp_common import validate_common
 
     preset = validate_common(cfg)
-    if cfg.lr_scaling not in LR_SCALING:
-        raise UserError(f"Unknown learning-rate scaling {cfg.lr_scaling!r}; choose one of {', '.join(LR_SCALING)}.")
-    if cfg.optimizer not in OPTIMIZERS:
-        raise UserError(f"Unknown optimizer {cfg.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}.")
-    check_positive("--log-every", cfg.log_every)
+    check_choice("learning-rate scaling", cfg.lr_scaling, LR_SCALING)
+    check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
+    check_positive("--logging-steps", cfg.logging_steps)
     return preset
+
+
+def resolve(cfg: Config, preset, world_size: int) -> Config:
+    """Every default settled, as run.json records it: the learning rate (before ``--lr-scaling``, as given; the
+    summary records the rate used) and the untimed steps."""
+    from my_utils.core.learning_rate import default_learning_rate
+    from my_utils.workflows.ddp_common import untimed_steps
+
+    return replace(cfg, learning_rate=cfg.learning_rate or default_learning_rate(preset, "full"),
+                   untimed_steps=untimed_steps(cfg), num_processes=world_size)
+
+
+def step_learning_rate(cfg: Config, preset, world_size: int) -> float:
+    """The rate the optimizer uses: ``cfg.learning_rate`` scaled from the preset's batch to the global batch."""
+    from my_utils.core.learning_rate import scale_learning_rate
+
+    return scale_learning_rate(cfg.learning_rate, cfg.batch_size * cfg.grad_accum * world_size, preset.batch_size,
+                               cfg.lr_scaling)
 
 
 def init_process_group() -> None:
@@ -114,40 +128,31 @@ def train(cfg: Config) -> dict:
     from tqdm.auto import tqdm
 
     from my_utils.core.data import check_enough_rows
-    from my_utils.core.devices import device_inventory, local_rank, per_rank_device, per_rank_device_map
-    from my_utils.core.learning_rate import scale_learning_rate
-    from my_utils.core.memory import peak_bytes, reset_peak, snapshot
-    from my_utils.core.models import set_threads
+    from my_utils.core.devices import local_rank, per_rank_device, per_rank_device_map
+    from my_utils.core.memory import reset_peak, snapshot
     from my_utils.core.printing import print0, rank_print
-    from my_utils.run.callbacks import gather_to_rank0
-    from my_utils.run.launch import check_world_size
-    from my_utils.run.lifecycle import open_run, recorded
-    from my_utils.workflows.ddp_common import (backend, block_dataset, build_model, default_learning_rate, throughput,
-                                               warmup_steps, worker_report, write_worker_report)
+    from my_utils.run.lifecycle import join_world, run_lifecycle
+    from my_utils.workflows.ddp_common import block_dataset, build_model, worker_report, write_worker_report
 
     preset = validate(cfg)
-    warmup = warmup_steps(cfg)
     init_process_group()
-    world_size = check_world_size(cfg.num_processes)
+    world_size = join_world(cfg.num_processes)
+    cfg = resolve(cfg, preset, world_size)
     rank = dist.get_rank()
-    threads = set_threads()
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)
     global_batch = cfg.batch_size * cfg.grad_accum * world_size
-    learning_rate = scale_learning_rate(cfg.learning_rate or default_learning_rate(preset), global_batch,
-                                        preset.batch_size, cfg.lr_scaling)
-
+    learning_rate = step_learning_rate(cfg, preset, world_size)
     dataset = block_dataset(preset, cfg.max_length)
     check_enough_rows(len(dataset), global_batch)
-    run, run_dir = open_run(cfg.output_dir, RUNS_ROOT / "ddp" / f"{cfg.preset}_x{world_size}", asdict(cfg),
-                            workflow="ddp", world_size=world_size, backend=backend(), devices=device_inventory(),
-                            threads_per_process=threads)
-    with recorded(run):
+    with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "ddp" / f"{cfg.preset}_x{world_size}",
+                       workflow="ddp") as life:
+        # region: the DDP training
         # Every process holds the whole model, on the device of its local rank (its index on this machine).
         device = per_rank_device()
         device_map = per_rank_device_map()
         model = build_model(preset, random_init=cfg.random_init, dropout=cfg.dropout, device_map=device_map)
         report = worker_report(model, device_map=device_map)
-        write_worker_report(run_dir, report)
+        write_worker_report(life.folder, report)
         rank_print(f"world size {report['world_size']}, backend {report['backend']}, model on {report['model_device']}")
         # DDP broadcasts rank 0's weights to every process, then all-reduces gradients during backward().
         model = DistributedDataParallel(model, device_ids=[local_rank()] if device.startswith("cuda") else None)
@@ -166,7 +171,7 @@ def train(cfg: Config) -> dict:
         model.train()
         loop_started = time.perf_counter()
         for step in tqdm(range(1, cfg.max_steps + 1), desc="ddp", disable=rank != 0):
-            if step == warmup + 1:
+            if step == cfg.untimed_steps + 1:
                 started, cpu_started = time.perf_counter(), time.process_time()
             step_loss = torch.zeros((), device=device)
             for micro in range(cfg.grad_accum):
@@ -180,81 +185,50 @@ def train(cfg: Config) -> dict:
             optimizer.zero_grad(set_to_none=True)
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)  # for the log only: the mean over ranks
             losses.append(step_loss.item() / world_size)
-            if run is not None and (step % cfg.log_every == 0 or step == cfg.max_steps):
-                run.log_metrics({"step": step, "loss": losses[-1], "time": time.time()})
+            if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+                life.log({"step": step, "loss": losses[-1], "time": time.time()})
+        # endregion
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - started
-        runtime = time.perf_counter() - loop_started
+        timing = {"elapsed": time.perf_counter() - started, "runtime": time.perf_counter() - loop_started}
         # CPU seconds of this process (all its threads, gloo's included) over the timed steps: on a shared machine
         # they tell the work done apart from the time spent waiting for a core.
-        per_rank = gather_to_rank0({"rank": rank, "end": snapshot(device),
-                                    "cpu_seconds": time.process_time() - cpu_started})
-
-        summary = None
-        if run is not None:
-            summary = {
-                "workflow": "ddp",
-                "preset": cfg.preset,
-                "world_size": world_size,
-                "backend": backend(),
-                "threads_per_process": threads,
-                "batch_size_per_process": cfg.batch_size,
-                "grad_accum": cfg.grad_accum,
-                "effective_batch": global_batch,
-                "max_length": cfg.max_length,
-                "learning_rate": learning_rate,
-                "steps": cfg.max_steps,
-                "train_loss_first": losses[0],
-                "train_loss_final": losses[-1],
-                "runtime_s": runtime,
-                **throughput(cfg.max_steps - warmup, global_batch, cfg.max_length, elapsed),
-                "cpu_seconds_per_rank": [r["cpu_seconds"] for r in per_rank],
-                "memory": per_rank,
-                "peak_memory_bytes": max(peak_bytes(r["end"]) for r in per_rank),
-            }
-            if cfg.save_model:
-                model.module.save_pretrained(run_dir / "model", safe_serialization=True)
-            run.finish(summary)
-            print0(f"results folder: {run_dir}")
-        summary_list = [summary]
-        dist.broadcast_object_list(summary_list, src=0)
-    dist.destroy_process_group()
-    return summary_list[0]
+        per_rank = life.gather({"rank": rank, "end": snapshot(device), "cpu_seconds": time.process_time() - cpu_started})
+        if life.is_main and cfg.save_model:
+            model.module.save_pretrained(life.folder / "model", safe_serialization=True)
+        life.finish(summarize(cfg, world_size, learning_rate, losses, timing, per_rank, report) if life.is_main
+                    else None)
+    return life.summary
 
 
-def parse_args(argv=None, prog: str = "python -m my_utils.workflows.ddp", description: str | None = None) -> Config:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description=description or "Full fine-tuning with DistributedDataParallel in raw PyTorch. Writes a results "
-        "folder and prints its summary. Several processes: `torchrun --nproc_per_node 2 -m my_utils.workflows.ddp` "
-        "or `accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    defaults = Config()
-    p.add_argument("--preset", default=defaults.preset, help="tiny (offline CPU), gpt2, opt-350m")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="blocks per process per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per optimizer step")
-    p.add_argument("--max-steps", type=int, default=defaults.max_steps, help="optimizer steps")
-    p.add_argument("--max-length", type=int, default=defaults.max_length, help="tokens per packed block")
-    p.add_argument("--learning-rate", type=float, default=None, help="default: the preset's / 10")
-    p.add_argument("--lr-scaling", default=defaults.lr_scaling, choices=("none", "linear", "sqrt"),
-                   help="scale the learning rate with the global batch")
-    p.add_argument("--optimizer", default=defaults.optimizer, choices=OPTIMIZERS,
-                   help="sgd makes runs that see equal gradients end with visibly equal weights")
-    p.add_argument("--dropout", type=float, default=defaults.dropout, help="dropout probability everywhere")
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="first steps left out of the throughput figures (default 2, fewer for shorter runs)")
-    p.add_argument("--log-every", type=int, default=defaults.log_every, help="steps between metrics lines")
-    p.add_argument("--save-model", action="store_true", help="save the final weights in the results folder")
-    p.add_argument("--output-dir", default=None, help="results folder (must not exist)")
-    p.add_argument("--num-processes", type=int, default=None,
-                   help="world size to expect inside each worker (default: WORLD_SIZE from the launcher)")
-    p.add_argument("--random-init", action="store_true", help="random weights from the shipped config (offline)")
-    args = p.parse_args(argv)
-    names = {f.name for f in fields(Config)}
-    return Config(**{k: v for k, v in vars(args).items() if k in names})
+def summarize(cfg: Config, world_size: int, learning_rate: float, losses: list, timing: dict, per_rank: list,
+              report: dict) -> dict:
+    """The summary of a finished run (rank 0): settings, losses, throughput over the timed steps, memory per rank."""
+    import torch
+
+    from my_utils.core.memory import peak_bytes
+    from my_utils.workflows.ddp_common import throughput
+
+    global_batch = cfg.batch_size * cfg.grad_accum * world_size
+    return {
+        "workflow": "ddp", "preset": cfg.preset, "world_size": world_size, "backend": report["backend"],
+        "threads_per_process": torch.get_num_threads(), "batch_size_per_process": cfg.batch_size,
+        "grad_accum": cfg.grad_accum, "effective_batch": global_batch, "max_length": cfg.max_length,
+        "learning_rate": learning_rate, "steps": cfg.max_steps,
+        "train_loss_first": losses[0], "train_loss_final": losses[-1], "runtime_s": timing["runtime"],
+        **throughput(cfg.max_steps - cfg.untimed_steps, global_batch, cfg.max_length, timing["elapsed"]),
+        "cpu_seconds_per_rank": [r["cpu_seconds"] for r in per_rank],
+        "memory": per_rank, "peak_memory_bytes": max(peak_bytes(r["end"]) for r in per_rank),
+    }
+
+
+DESCRIPTION = ("Full fine-tuning with DistributedDataParallel in raw PyTorch. Writes a results folder and prints its "
+               "summary. Several processes: `torchrun --nproc_per_node 2 -m my_utils.workflows.ddp` or `accelerate "
+               "launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp`.")
+
+
+def parse_args(argv=None) -> Config:
+    return parse_config(Config, argv, prog="python -m my_utils.workflows.ddp", description=DESCRIPTION)
 
 
 def main(argv=None) -> dict:

@@ -34,24 +34,19 @@ def validate_common(cfg):
         check_positive("--learning-rate", cfg.learning_rate, float)
     if not 0.0 <= cfg.dropout < 1.0:
         raise UserError(f"--dropout must be in [0, 1), got {cfg.dropout!r}; use 0 to turn dropout off.")
-    warmup = warmup_steps(cfg)
-    if warmup < 0 or warmup >= cfg.max_steps:
+    untimed = untimed_steps(cfg) if hasattr(cfg, "untimed_steps") else 0  # the accelerate steps time every batch
+    if untimed < 0 or untimed >= cfg.max_steps:
         raise UserError(
-            f"--warmup-steps must be at least 0 and below --max-steps ({cfg.max_steps}), got {warmup}; "
-            "throughput is measured on the steps after the warm-up."
+            f"--untimed-steps must be at least 0 and below --max-steps ({cfg.max_steps}), got {untimed}; "
+            "throughput is measured on the steps after them."
         )
     return preset
 
 
-def warmup_steps(cfg) -> int:
-    """Steps left out of the throughput figures: ``cfg.warmup_steps``, by default 2 (fewer for very short runs)."""
-    warmup = getattr(cfg, "warmup_steps", 0)
-    return min(2, cfg.max_steps - 1) if warmup is None else warmup
-
-
-def default_learning_rate(preset) -> float:
-    """Full fine-tuning uses a tenth of the preset's (LoRA) learning rate, as in the LoRA workflow."""
-    return preset.learning_rate / 10
+def untimed_steps(cfg) -> int:
+    """Steps left out of the throughput figures (allocation, caches): ``cfg.untimed_steps``, by default 2 (fewer
+    for very short runs)."""
+    return min(2, cfg.max_steps - 1) if cfg.untimed_steps is None else cfg.untimed_steps
 
 
 def set_dropout(model, p: float):
@@ -118,26 +113,20 @@ def _block_dataset(preset_name: str, max_length: int) -> list[dict]:
     return [{"input_ids": block, "labels": block} for block in pack_blocks(train_rows, tokenizer, max_length)]
 
 
-def backend() -> str | None:
-    """The torch.distributed backend in use (gloo on CPUs, nccl on GPUs), None without a process group."""
-    import torch.distributed as dist
-
-    return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
-
-
 def worker_report(model=None, **extra) -> dict:
     """What this process sees: ranks, world size, backend, where the model lives, host, threads."""
     import torch
 
     from my_utils.core.devices import local_rank
     from my_utils.core.printing import get_rank, get_world_size
+    from my_utils.run.lifecycle import process_group_backend
 
     return {
         "rank": get_rank(),
         "local_rank": local_rank(),
         "node_rank": int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))),
         "world_size": get_world_size(),
-        "backend": backend(),
+        "backend": process_group_backend(),
         "model_device": str(next(model.parameters()).device) if model is not None else None,
         "host": socket.gethostname(),
         "pid": os.getpid(),

@@ -20,11 +20,11 @@ Every run writes a results folder (run.json, metrics.jsonl, summary.json) with t
 
 from __future__ import annotations
 
-import argparse
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, replace
 
 from my_utils import UserError
+from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 MODES = ("pipeline", "tensor")
@@ -32,37 +32,41 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass
-class Config:
-    preset: str = "tiny"
-    mode: str = "pipeline"  # "pipeline" (one stage per process) or "tensor" (every matrix split over processes)
-    schedule: str = "gpipe"  # gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, alternating
-    microbatches: int = 4
-    batch_size: int = 16  # sequences per optimizer step, cut into ``microbatches`` micro-batches
-    seq_len: int = 64
-    steps: int = 4
-    learning_rate: float | None = None  # default: the preset's
-    seed: int = 0
-    random_init: bool = False
-    output_dir: str | None = None  # default: runs/pipeline/<preset>_<mode>
-    num_processes: int | None = None  # what the launch asked for; checked inside every worker
+class Config(RunSettings):
+    mode: str = setting("pipeline", "pipeline (one stage per process) or tensor (every matrix split over processes)",
+                        choices=MODES)
+    schedule: str = setting("gpipe", "gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, "
+                            "alternating", choices=SCHEDULES)
+    microbatches: int = setting(4, "micro-batches per step")
+    batch_size: int = setting(16, "sequences per step: the pipeline is one model replica, so this is its whole batch, "
+                              "cut into --microbatches micro-batches (tensor mode: the sentences of its output check)")
+    max_length: int = setting(64, "tokens per sequence (pipeline mode)")
+    max_steps: int = setting(4, "training steps after the output check (pipeline mode)")
+    learning_rate: float | None = setting(None, "pipeline mode's rate (default: the preset's)")
 
 
 def validate(cfg: Config):
+    """Check the config before anything starts; returns the preset."""
     from my_utils.core.presets import get_preset
-    from my_utils.run.config import check_positive
+    from my_utils.run.config import check_choice, check_positive
 
     preset = get_preset(cfg.preset)
-    if cfg.mode not in MODES:
-        raise UserError(f"Unknown mode {cfg.mode!r}; choose one of {', '.join(MODES)}.")
-    if cfg.schedule not in SCHEDULES:
-        raise UserError(f"Unknown schedule {cfg.schedule!r}; choose one of {', '.join(SCHEDULES)}.")
-    for name in ("microbatches", "batch_size", "seq_len", "steps"):
+    check_choice("mode", cfg.mode, MODES)
+    check_choice("schedule", cfg.schedule, SCHEDULES)
+    for name in ("microbatches", "batch_size", "max_length", "max_steps"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
+    if cfg.learning_rate is not None:
+        check_positive("--learning-rate", cfg.learning_rate, float)
     if cfg.batch_size % cfg.microbatches:
         raise UserError(f"--batch-size {cfg.batch_size} does not split into {cfg.microbatches} equal micro-batches; "
                         "make it a multiple of --microbatches.")
     preset.require("causal" if cfg.mode == "pipeline" else "classifier")
     return preset
+
+
+def resolve(cfg: Config, preset, world_size: int) -> Config:
+    """Every default settled, as run.json records it: the learning rate and the world size."""
+    return replace(cfg, learning_rate=cfg.learning_rate or preset.learning_rate, num_processes=world_size)
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces
@@ -77,6 +81,7 @@ def disable_dropout(model) -> None:
             module.p = 0.0
 
 
+# region: one stage per process, and a schedule
 def pipeline_stage(model, n_stages: int, stage_index: int, device, example_args: tuple, example_kwargs=None):
     """This process's stage of ``model`` cut into ``n_stages`` (a ``PipelineStage``), and the split's device map.
 
@@ -102,6 +107,7 @@ def make_schedule(name: str, stage, microbatches: int, loss_fn=None):
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stage, n_microbatches=microbatches, loss_fn=loss_fn)
+# endregion
 
 
 def record_timeline(stage, events: list) -> None:
@@ -204,8 +210,8 @@ def lm_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
 
-def token_blocks(preset, tokenizer, n_blocks: int, seq_len: int):
-    """``n_blocks`` sequences of ``seq_len`` tokens cut from the preset's instruction texts laid end to end
+def token_blocks(preset, tokenizer, n_blocks: int, max_length: int):
+    """``n_blocks`` sequences of ``max_length`` tokens cut from the preset's instruction texts laid end to end
     (no padding, so every micro-batch has the same shape and the same number of tokens)."""
     import torch
 
@@ -215,12 +221,12 @@ def token_blocks(preset, tokenizer, n_blocks: int, seq_len: int):
     stream: list[int] = []
     for row in rows:
         stream += tokenizer(format_example(row, tokenizer.eos_token), add_special_tokens=False)["input_ids"]
-        if len(stream) >= n_blocks * seq_len:
+        if len(stream) >= n_blocks * max_length:
             break
-    if len(stream) < n_blocks * seq_len:
-        raise UserError(f"The data holds {len(stream)} tokens, fewer than {n_blocks} x {seq_len}; "
-                        "lower --steps or --seq-len.")
-    return torch.tensor(stream[: n_blocks * seq_len]).view(n_blocks, seq_len)
+    if len(stream) < n_blocks * max_length:
+        raise UserError(f"The data holds {len(stream)} tokens, fewer than {n_blocks} x {max_length}; "
+                        "lower --max-steps or --max-length.")
+    return torch.tensor(stream[: n_blocks * max_length]).view(n_blocks, max_length)
 
 
 # ---------------------------------------------------------------------------------------------- the workflow
@@ -228,49 +234,84 @@ def token_blocks(preset, tokenizer, n_blocks: int, seq_len: int):
 
 def train(cfg: Config) -> dict:
     """Run the pipeline or tensor-parallel experiment; returns the summary on every rank (rank 0 writes it)."""
-    from my_utils.core.models import set_threads
-    from my_utils.run.launch import check_world_size
+    from accelerate.utils import set_seed  # (transformers.set_seed would import peft and bitsandbytes: seconds)
+
+    from my_utils.run.lifecycle import join_world
 
     preset = validate(cfg)
-    world_size = check_world_size(cfg.num_processes)
+    world_size = join_world(cfg.num_processes)
     if world_size < 2:
         raise UserError(f"--mode {cfg.mode} splits the model over processes but this run has one; "
                         "launch it with torchrun --nproc_per_node 2 or accelerate launch --num_processes 2.")
-    set_threads()
-    return (_train_pipeline if cfg.mode == "pipeline" else _tensor_parallel)(cfg, preset, world_size)
+    cfg = resolve(cfg, preset, world_size)
+    set_seed(cfg.seed)
+    return (train_pipeline if cfg.mode == "pipeline" else tensor_parallel)(cfg, preset, world_size)
 
 
-def _train_pipeline(cfg: Config, preset, world_size: int) -> dict:
+def pipelined_forward(stage, schedule, batch, device) -> tuple:
+    """Forward only, through the pipeline: the last stage's output (on the CPU) and mean loss on ``batch``; (None,
+    None) on the other stages."""
+    import torch
+
+    losses: list = []
+    with torch.no_grad():
+        if stage.is_last:
+            output = schedule.eval(target=batch.to(device), losses=losses)
+            return output.cpu(), float(torch.stack(losses).mean())
+        schedule.eval(*((batch.to(device),) if stage.is_first else ()))
+    return None, None
+
+
+def train_steps(stage, schedule, optimizer, batches, device, events: list) -> tuple[list, tuple, float]:
+    """One optimizer step per batch, every process updating only its own stage. Returns the last stage's losses
+    (empty elsewhere), the last step's (start, end) wall-clock times, and the runtime; ``events`` (filled by
+    ``record_timeline``) keeps the last step's timeline."""
+    import torch
+    import torch.distributed as dist
+
+    losses, started = [], time.perf_counter()
+    for batch in batches:
+        events.clear()  # keep the last step's timeline
+        dist.barrier()
+        step_start = time.time()
+        # region: a pipeline training step
+        micro_losses: list = []
+        args = (batch.to(device),) if stage.is_first else ()  # the first stage takes the tokens
+        kwargs = {"target": batch.to(device), "losses": micro_losses} if stage.is_last else {}  # the last, the targets
+        schedule.step(*args, **kwargs)  # every micro-batch's forward and backward, in the schedule's order
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        # endregion
+        step_window = (step_start, time.time())
+        if stage.is_last:
+            losses.append(float(torch.stack(micro_losses).detach().mean()))
+    return losses, step_window, time.perf_counter() - started
+
+
+def train_pipeline(cfg: Config, preset, world_size: int) -> dict:
+    """Check that the pipelined model computes what the plain one does, then train it for a few steps."""
     import gc
 
     import torch
     import torch.distributed as dist
-    from accelerate.utils import (
-        set_seed,  # (transformers.set_seed would import peft and bitsandbytes: seconds)
-    )
 
-    from my_utils.core.devices import device_inventory, per_rank_device
-    from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+    from my_utils.core.devices import per_rank_device
+    from my_utils.core.memory import reset_peak, snapshot
     from my_utils.core.models import build_causal_lm, load_tokenizer
     from my_utils.core.printing import print0, rank_print
-    from my_utils.run.callbacks import gather_to_rank0
-    from my_utils.run.lifecycle import open_run, recorded
+    from my_utils.run.lifecycle import run_lifecycle
 
-    set_seed(cfg.seed)
     rank, device = dist.get_rank(), per_rank_device()
-    tokenizer = load_tokenizer(preset)
-    data = token_blocks(preset, tokenizer, cfg.batch_size * (cfg.steps + 1), cfg.seq_len)
+    data = token_blocks(preset, load_tokenizer(preset), cfg.batch_size * (cfg.max_steps + 1), cfg.max_length)
     check_batch, train_batches = data[: cfg.batch_size], data[cfg.batch_size :].split(cfg.batch_size)
-    run, run_dir = open_run(cfg.output_dir, RUNS_ROOT / "pipeline" / f"{cfg.preset}_{cfg.mode}", asdict(cfg),
-                            world_size=world_size, backend=dist.get_backend(), devices=device_inventory())
-    with recorded(run):
+    with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "pipeline" / f"{cfg.preset}_{cfg.mode}",
+                       workflow="pipeline") as life:
         model = build_causal_lm(preset, random_init=cfg.random_init)
         model.config.use_cache = False  # a key-value cache is for generation, and cannot be traced
         disable_dropout(model)
         # The plain model's output and loss on the check batch: what the pipeline must reproduce.
         with torch.no_grad():
             reference = model(input_ids=check_batch).logits
-        reference_loss = float(lm_loss(reference, check_batch))
         micro = cfg.batch_size // cfg.microbatches
         stage, device_map = pipeline_stage(model, world_size, rank, torch.device(device), (check_batch[:micro],))
         del model  # each process keeps only its stage's weights
@@ -281,90 +322,58 @@ def _train_pipeline(cfg: Config, preset, world_size: int) -> dict:
 
         # 1. Forward only: the last stage's output and loss must equal the plain model's.
         schedule = make_schedule(cfg.schedule, stage, cfg.microbatches, loss_fn=lm_loss)
-        check_losses: list = []
-        with torch.no_grad():
-            if stage.is_last:
-                output = schedule.eval(target=check_batch.to(device), losses=check_losses)
-            else:
-                schedule.eval(*((check_batch.to(device),) if stage.is_first else ()))
-        max_abs_diff = float((output.cpu() - reference).abs().max()) if stage.is_last else None
-        pipelined_loss = float(torch.stack(check_losses).mean()) if stage.is_last else None
+        output, pipelined_loss = pipelined_forward(stage, schedule, check_batch, device)
 
-        # 2. Training steps: every process updates only its own stage.
-        learning_rate = cfg.learning_rate or preset.learning_rate
-        optimizer = torch.optim.AdamW([p for p in stage.submod.parameters() if p.requires_grad], lr=learning_rate)
+        # 2. Training steps: every process updates only its own stage, and times what it computes.
+        optimizer = torch.optim.AdamW([p for p in stage.submod.parameters() if p.requires_grad], lr=cfg.learning_rate)
         events: list[dict] = []
         record_timeline(stage, events)
-        losses, step_times = [], []
         reset_peak(device)
-        started = time.perf_counter()
-        for step, batch in enumerate(train_batches, start=1):
-            events.clear()  # keep the last step's timeline
-            dist.barrier()
-            step_start = time.time()
-            micro_losses: list = []
-            args = (batch.to(device),) if stage.is_first else ()
-            kwargs = {"target": batch.to(device), "losses": micro_losses} if stage.is_last else {}
-            schedule.step(*args, **kwargs)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step_times.append((step_start, time.time()))
-            if stage.is_last:
-                losses.append(float(torch.stack(micro_losses).detach().mean()))
-        runtime = time.perf_counter() - started
-        mine = {
-            "rank": rank,
-            "world_size_seen": dist.get_world_size(),
-            "modules": my_modules,
-            "parameters": stage_params,
-            "max_abs_diff": max_abs_diff,
-            "pipelined_loss": pipelined_loss,
-            "losses": losses,
-            "timeline": events,
-            "step": step_times[-1],
-            "memory": {"rank": rank, "end": snapshot(device)},
-        }
-        reports = gather_to_rank0(mine)
-        summary = None
-        if run is not None:
-            last = reports[-1]
-            step_start, step_end = min(r["step"][0] for r in reports), max(r["step"][1] for r in reports)
-            for i, loss in enumerate(last["losses"], start=1):
-                run.log_metrics({"step": i, "loss": loss})
-            summary = {
-                "workflow": "pipeline",
-                "mode": "pipeline",
-                "preset": cfg.preset,
-                "schedule": cfg.schedule,
-                "world_size": world_size,
-                "world_sizes_seen": [r["world_size_seen"] for r in reports],
-                "backend": dist.get_backend(),
-                "microbatches": cfg.microbatches,
-                "batch_size": cfg.batch_size,
-                "seq_len": cfg.seq_len,
-                "steps": len(train_batches),
-                "stage_modules": [r["modules"] for r in reports],
-                "stage_parameters": [r["parameters"] for r in reports],
-                "max_abs_diff": last["max_abs_diff"],
-                "reference_loss": reference_loss,
-                "pipelined_loss": last["pipelined_loss"],
-                "train_loss_first": last["losses"][0],
-                "train_loss_final": last["losses"][-1],
-                "runtime_s": runtime,
-                "samples_per_s": len(train_batches) * cfg.batch_size / runtime,
-                # GPipe's idle share with S stages and M micro-batches (equal stages, no communication)
-                "bubble_fraction_theory": (world_size - 1) / (cfg.microbatches + world_size - 1),
-                "busy_fraction": [busy_fraction(r["timeline"], step_start, step_end) for r in reports],
-                "timeline": {f"rank {r['rank']}": r["timeline"] for r in reports},
-                "timeline_window": [step_start, step_end],
-                "memory": [r["memory"] for r in reports],
-                "peak_memory_bytes": max(peak_bytes(r["memory"]["end"]) for r in reports),
-            }
-            run.finish(summary)
-            print0(f"pipelined output vs plain model: max |difference| {summary['max_abs_diff']:.2e}")
-            print0(f"results folder: {run_dir}")
-        dist.barrier()
-    return summary
+        losses, step_window, runtime = train_steps(stage, schedule, optimizer, train_batches, device, events)
+        reports = life.gather({
+            "rank": rank, "world_size_seen": dist.get_world_size(), "modules": my_modules,
+            "parameters": stage_params, "pipelined_loss": pipelined_loss, "losses": losses, "timeline": events,
+            "max_abs_diff": float((output - reference).abs().max()) if output is not None else None,
+            "step": step_window, "memory": {"rank": rank, "end": snapshot(device)}})
+        if life.is_main:
+            for i, loss in enumerate(reports[-1]["losses"], start=1):
+                life.log({"step": i, "loss": loss})
+        life.finish(pipeline_summary(cfg, world_size, reports, float(lm_loss(reference, check_batch)), runtime)
+                    if life.is_main else None)
+        print0(f"pipelined output vs plain model: max |difference| {life.summary['max_abs_diff']:.2e}")
+    return life.summary
+
+
+def pipeline_summary(cfg: Config, world_size: int, reports: list, reference_loss: float, runtime: float) -> dict:
+    """summary.json of a pipeline run: the output check, the losses, and every stage's timeline and memory."""
+    from my_utils.core.memory import peak_bytes
+    from my_utils.run.lifecycle import process_group_backend
+
+    last = reports[-1]
+    step_start, step_end = min(r["step"][0] for r in reports), max(r["step"][1] for r in reports)
+    return {
+        "workflow": "pipeline", "mode": "pipeline", "preset": cfg.preset, "schedule": cfg.schedule,
+        "world_size": world_size, "world_sizes_seen": [r["world_size_seen"] for r in reports],
+        "backend": process_group_backend(), "microbatches": cfg.microbatches,
+        "batch_size": cfg.batch_size, "effective_batch": cfg.batch_size,  # one model replica: the whole batch
+        "max_length": cfg.max_length, "steps": cfg.max_steps, "learning_rate": cfg.learning_rate,
+        "stage_modules": [r["modules"] for r in reports],
+        "stage_parameters": [r["parameters"] for r in reports],
+        "max_abs_diff": last["max_abs_diff"],
+        "reference_loss": reference_loss,
+        "pipelined_loss": last["pipelined_loss"],
+        "train_loss_first": last["losses"][0],
+        "train_loss_final": last["losses"][-1],
+        "runtime_s": runtime,
+        "samples_per_s": cfg.max_steps * cfg.batch_size / runtime,
+        # GPipe's idle share with S stages and M micro-batches (equal stages, no communication)
+        "bubble_fraction_theory": (world_size - 1) / (cfg.microbatches + world_size - 1),
+        "busy_fraction": [busy_fraction(r["timeline"], step_start, step_end) for r in reports],
+        "timeline": {f"rank {r['rank']}": r["timeline"] for r in reports},
+        "timeline_window": [step_start, step_end],
+        "memory": [r["memory"] for r in reports],
+        "peak_memory_bytes": max(peak_bytes(r["memory"]["end"]) for r in reports),
+    }
 
 
 def feed_forward_pairs(model) -> list[tuple[str, str]]:
@@ -390,42 +399,42 @@ def feed_forward_pairs(model) -> list[tuple[str, str]]:
     return pairs
 
 
-def _tensor_parallel(cfg: Config, preset, world_size: int) -> dict:
+def tensor_parallel(cfg: Config, preset, world_size: int) -> dict:
+    """Shard the encoder's feed-forward blocks over the processes and check the output against the plain model."""
     import torch
     import torch.distributed as dist
-    from accelerate.utils import (
-        set_seed,  # (transformers.set_seed would import peft and bitsandbytes: seconds)
-    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from my_utils.core.data import load_classification
-    from my_utils.core.devices import device_inventory, per_rank_device
-    from my_utils.core.memory import peak_bytes, snapshot
+    from my_utils.core.devices import per_rank_device
+    from my_utils.core.memory import snapshot
     from my_utils.core.models import build_classifier, load_tokenizer
     from my_utils.core.printing import print0, rank_print
-    from my_utils.run.callbacks import gather_to_rank0
-    from my_utils.run.lifecycle import open_run, recorded
+    from my_utils.run.lifecycle import run_lifecycle
 
-    set_seed(cfg.seed)
     rank, device = dist.get_rank(), per_rank_device()
     tokenizer = load_tokenizer(preset, role="classifier")
     rows, _, labels = load_classification(preset.classification_data, eval_rows=1)
     batch = tokenizer([r["text"] for r in rows[: cfg.batch_size]], padding=True, return_tensors="pt").to(device)
-    run, run_dir = open_run(cfg.output_dir, RUNS_ROOT / "pipeline" / f"{cfg.preset}_{cfg.mode}", asdict(cfg),
-                            world_size=world_size, backend=dist.get_backend(), devices=device_inventory())
-    with recorded(run):
+    with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "pipeline" / f"{cfg.preset}_{cfg.mode}",
+                       workflow="pipeline") as life:
         model = build_classifier(preset, len(labels), random_init=cfg.random_init).to(device).eval()
         with torch.no_grad():
             reference = model(**batch).logits
         pairs = feed_forward_pairs(model)
+        full_shapes = {name: [m.out_features, m.in_features] for name, m in
+                       ((n, dict(model.named_modules())[n]) for pair in pairs for n in pair)}
+        total = sum(p.numel() for p in model.parameters())
+        # region: tensor parallel
         mesh = init_device_mesh(torch.device(device).type, (world_size,))
         plan = {}
         for up, down in pairs:
             plan[up] = ColwiseParallel()  # each process computes a slice of the hidden features
             plan[down] = RowwiseParallel()  # each process multiplies its slice; an all-reduce sums the parts
         parallelize_module(model, mesh, plan)
+        # endregion
         started = time.perf_counter()
         with torch.no_grad():
             output = model(**batch).logits
@@ -434,62 +443,43 @@ def _tensor_parallel(cfg: Config, preset, world_size: int) -> dict:
         shapes = {name: list(modules[name].weight.to_local().shape) for pair in pairs for name in pair}
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
         rank_print(f"holds {local:,} parameters; {pairs[0][0]} weight here: {shapes[pairs[0][0]]}")
-        mine = {"rank": rank, "world_size_seen": dist.get_world_size(), "local_parameters": local,
-                "local_shapes": shapes, "max_abs_diff": float((output - reference).abs().max()),
-                "memory": {"rank": rank, "end": snapshot(device)}}
-        reports = gather_to_rank0(mine)
-        summary = None
-        if run is not None:
-            summary = {
-                "workflow": "pipeline",
-                "mode": "tensor",
-                "preset": cfg.preset,
-                "world_size": world_size,
-                "world_sizes_seen": [r["world_size_seen"] for r in reports],
-                "backend": dist.get_backend(),
-                "sharded_pairs": pairs,
-                "full_shapes": {name: [m.out_features, m.in_features] for name, m in
-                                ((n, modules[n]) for pair in pairs for n in pair)},
-                "local_shapes": [r["local_shapes"] for r in reports],
-                "total_parameters": sum(p.numel() for p in model.parameters()),
-                "local_parameters": [r["local_parameters"] for r in reports],
-                "max_abs_diff": max(r["max_abs_diff"] for r in reports),
-                "runtime_s": runtime,
-                "memory": [r["memory"] for r in reports],
-                "peak_memory_bytes": max(peak_bytes(r["memory"]["end"]) for r in reports),
-            }
-            run.finish(summary)
-            print0(f"tensor-parallel output vs plain model: max |difference| {summary['max_abs_diff']:.2e}")
-            print0(f"results folder: {run_dir}")
-        dist.barrier()
-    return summary
+        reports = life.gather({"rank": rank, "world_size_seen": dist.get_world_size(), "local_parameters": local,
+                               "local_shapes": shapes, "max_abs_diff": float((output - reference).abs().max()),
+                               "memory": {"rank": rank, "end": snapshot(device)}})
+        life.finish(tensor_summary(cfg, world_size, reports, pairs, full_shapes, total, runtime)
+                    if life.is_main else None)
+        print0(f"tensor-parallel output vs plain model: max |difference| {life.summary['max_abs_diff']:.2e}")
+    return life.summary
+
+
+def tensor_summary(cfg: Config, world_size: int, reports: list, pairs, full_shapes: dict, total: int,
+                   runtime: float) -> dict:
+    """summary.json of a tensor-parallel run: the sharded shapes, the parameters each process holds, the check."""
+    from my_utils.core.memory import peak_bytes
+    from my_utils.run.lifecycle import process_group_backend
+
+    return {
+        "workflow": "pipeline", "mode": "tensor", "preset": cfg.preset,
+        "world_size": world_size, "world_sizes_seen": [r["world_size_seen"] for r in reports],
+        "backend": process_group_backend(),
+        "sharded_pairs": pairs, "full_shapes": full_shapes,
+        "local_shapes": [r["local_shapes"] for r in reports],
+        "total_parameters": total,
+        "local_parameters": [r["local_parameters"] for r in reports],
+        "max_abs_diff": max(r["max_abs_diff"] for r in reports),
+        "runtime_s": runtime,
+        "memory": [r["memory"] for r in reports],
+        "peak_memory_bytes": max(peak_bytes(r["memory"]["end"]) for r in reports),
+    }
+
+
+DESCRIPTION = ("Pipeline parallelism (one model stage per process, micro-batches, GPipe or 1F1B) or tensor parallelism "
+               "(each matrix split over processes). Needs 2+ processes: torchrun --nproc_per_node 2 -m "
+               "my_utils.workflows.pipeline ..., or accelerate launch --config_file configs/cpu_x2.yaml -m ...")
 
 
 def parse_args(argv=None) -> Config:
-    p = argparse.ArgumentParser(
-        prog="python -m my_utils.workflows.pipeline",
-        description="Pipeline parallelism (one model stage per process, micro-batches, GPipe or 1F1B) or tensor "
-        "parallelism (each matrix split over processes). Needs 2+ processes: torchrun --nproc_per_node 2 -m "
-        "my_utils.workflows.pipeline ..., or accelerate launch --config_file configs/cpu_x2.yaml -m ...",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    d = Config()
-    p.add_argument("--preset", default=d.preset, help="tiny (offline CPU), gpt2, opt-350m; roberta-large for tensor")
-    p.add_argument("--mode", default=d.mode, choices=MODES)
-    p.add_argument("--schedule", default=d.schedule, choices=SCHEDULES, help="pipeline schedule")
-    p.add_argument("--microbatches", type=int, default=d.microbatches, help="micro-batches per step")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per optimizer step")
-    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per sequence")
-    p.add_argument("--steps", type=int, default=d.steps, help="training steps after the output check")
-    p.add_argument("--learning-rate", type=float, default=None, help="default: the preset's")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--random-init", action="store_true", help="random weights from the shipped config (offline)")
-    p.add_argument("--output-dir", default=None, help="results folder (must not exist)")
-    p.add_argument("--num-processes", type=int, default=None,
-                   help="world size to expect inside each worker (default: WORLD_SIZE from the launcher)")
-    args = p.parse_args(argv)
-    names = {f.name for f in fields(Config)}
-    return Config(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+    return parse_config(Config, argv, prog="python -m my_utils.workflows.pipeline", description=DESCRIPTION)
 
 
 def main(argv=None) -> dict:

@@ -8,7 +8,7 @@ The next steps turn it into an accelerate loop one feature at a time; ``diff`` t
 
 from __future__ import annotations
 
-from my_utils.workflows.accelerate_steps.common import Config, batches, build, learning_rate, main_for, run_step
+from my_utils.workflows.accelerate_steps.common import Config, batches, build, main_for, run_step
 
 
 def training_loop(cfg: Config, run_dir) -> dict:
@@ -20,7 +20,7 @@ def training_loop(cfg: Config, run_dir) -> dict:
     model, dataset = build(cfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(cfg), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     dataloader = DataLoader(dataset, batch_size=cfg.batch_size, drop_last=True)
 
     losses = []

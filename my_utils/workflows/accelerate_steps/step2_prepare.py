@@ -7,7 +7,7 @@ on one CPU, one GPU, or many processes on many machines, unchanged.
 
 from __future__ import annotations
 
-from my_utils.workflows.accelerate_steps.common import Config, batches, build, learning_rate, main_for, run_step
+from my_utils.workflows.accelerate_steps.common import Config, batches, build, main_for, run_step
 
 
 def training_loop(cfg: Config, run_dir) -> dict:
@@ -23,7 +23,7 @@ def training_loop(cfg: Config, run_dir) -> dict:
     # New Code # prepare
     # The Accelerator knows this launch: how many processes, this process's device, the backend (gloo, nccl).
     accelerator = Accelerator()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(cfg), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     dataloader = DataLoader(dataset, batch_size=cfg.batch_size, drop_last=True)
     # New Code # prepare
     # prepare() moves the model to this process's device (and wraps it in DDP when several processes run),

@@ -9,7 +9,7 @@ batch in the same memory. Under DDP the gradients are all-reduced only on the la
 
 from __future__ import annotations
 
-from my_utils.workflows.accelerate_steps.common import Config, batches, build, learning_rate, main_for, run_step
+from my_utils.workflows.accelerate_steps.common import Config, batches, build, main_for, run_step
 
 
 def training_loop(cfg: Config, run_dir) -> dict:
@@ -32,7 +32,7 @@ def training_loop(cfg: Config, run_dir) -> dict:
         # New Code # gradient accumulation
         gradient_accumulation_steps=cfg.grad_accum,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(cfg), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     dataloader = DataLoader(dataset, batch_size=cfg.batch_size, drop_last=True)
     # New Code # prepare
     # prepare() moves the model to this process's device (and wraps it in DDP when several processes run),

@@ -2,14 +2,14 @@
 process; ``accelerator.load_state`` brings them back, and the resumed run skips the batches already trained on,
 so that it ends exactly where an uninterrupted run would.
 
-    python -m my_utils.workflows.accelerate_steps.step5_checkpoint --preset tiny --max-steps 4 --save-every 2
+    python -m my_utils.workflows.accelerate_steps.step5_checkpoint --preset tiny --max-steps 4 --save-steps 2
     python -m my_utils.workflows.accelerate_steps.step5_checkpoint --preset tiny --max-steps 4 \\
         --resume-from runs/accelerate_steps/step5_checkpoint_tiny_x1/checkpoints/step_2
 """
 
 from __future__ import annotations
 
-from my_utils.workflows.accelerate_steps.common import Config, batches, build, learning_rate, main_for, run_step
+from my_utils.workflows.accelerate_steps.common import Config, batches, build, main_for, run_step
 
 
 def training_loop(cfg: Config, run_dir) -> dict:
@@ -35,7 +35,7 @@ def training_loop(cfg: Config, run_dir) -> dict:
         # New Code # gradient accumulation
         gradient_accumulation_steps=cfg.grad_accum,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(cfg), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     dataloader = DataLoader(dataset, batch_size=cfg.batch_size, drop_last=True)
     # New Code # prepare
     # prepare() moves the model to this process's device (and wraps it in DDP when several processes run),
@@ -72,11 +72,11 @@ def training_loop(cfg: Config, run_dir) -> dict:
         # each process trained on its own batch: log the mean of every process's loss
         losses.append(accelerator.gather(loss.detach()).mean().item())
         # New Code # checkpointing
-        # after an optimizer step (sync_gradients): save every save_every steps and at the end; every process
+        # after an optimizer step (sync_gradients): save every save_steps steps and at the end; every process
         # takes part (each saves its own random states)
         if accelerator.sync_gradients:
             done += 1
-            if done == cfg.max_steps or (cfg.save_every and done % cfg.save_every == 0):
+            if done == cfg.max_steps or (cfg.save_steps and done % cfg.save_steps == 0):
                 accelerator.save_state(checkpoint_dir(run_dir, done))
     return {"losses": losses, "seconds": time.perf_counter() - started}
 

@@ -9,7 +9,7 @@ from the main process only. This is the complete loop: every earlier step's line
 
 from __future__ import annotations
 
-from my_utils.workflows.accelerate_steps.common import Config, batches, build, learning_rate, main_for, run_step
+from my_utils.workflows.accelerate_steps.common import Config, batches, build, main_for, run_step
 
 
 def training_loop(cfg: Config, run_dir) -> dict:
@@ -43,7 +43,7 @@ def training_loop(cfg: Config, run_dir) -> dict:
     )
     # New Code # tracking
     accelerator.init_trackers("accelerate_steps", config=tracker_config(cfg))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate(cfg), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     dataloader = DataLoader(dataset, batch_size=cfg.batch_size, drop_last=True)
     # New Code # prepare
     # prepare() moves the model to this process's device (and wraps it in DDP when several processes run),
@@ -80,14 +80,14 @@ def training_loop(cfg: Config, run_dir) -> dict:
         # each process trained on its own batch: log the mean of every process's loss
         losses.append(accelerator.gather(loss.detach()).mean().item())
         # New Code # checkpointing
-        # after an optimizer step (sync_gradients): save every save_every steps and at the end; every process
+        # after an optimizer step (sync_gradients): save every save_steps steps and at the end; every process
         # takes part (each saves its own random states)
         if accelerator.sync_gradients:
             done += 1
             # New Code # tracking
             # one metrics line per optimizer step: the mean loss of its batches
             accelerator.log({"loss": sum(losses[-cfg.grad_accum:]) / cfg.grad_accum}, step=done)
-            if done == cfg.max_steps or (cfg.save_every and done % cfg.save_every == 0):
+            if done == cfg.max_steps or (cfg.save_steps and done % cfg.save_steps == 0):
                 accelerator.save_state(checkpoint_dir(run_dir, done))
     # New Code # tracking
     # close the trackers (flush files, end the remote run)

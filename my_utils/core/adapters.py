@@ -1,0 +1,64 @@
+"""A PEFT adapter as data: the fields of peft's ``LoraConfig`` that the course varies, in one frozen dataclass.
+
+The LoRA and classification workflows take it (each field is a command-line flag: ``--rank``, ``--alpha``,
+``--targets``, ``--dropout``, ``--rslora``, ``--dora``), record it whole in run.json, and build the adapter from it;
+the planner, the sweep and the benchmarks read the same fields. A new peft option is a field here plus its line in
+``lora_config``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from my_utils import UserError
+
+ALL_LINEAR = "all-linear"  # peft's shorthand: every linear layer except the output head
+
+
+def _setting(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    rank: int = _setting(8, "LoRA rank r")
+    alpha: float | None = _setting(None, "LoRA alpha (default 2 x rank)")
+    targets: tuple[str, ...] | None = _setting(
+        None, f"module names to adapt, or {ALL_LINEAR} (default: the preset's)")
+    dropout: float = _setting(0.0, "dropout on the adapter's input")
+    rslora: bool = _setting(False, "rank-stabilised LoRA: scale the update by alpha / sqrt(rank), not alpha / rank")
+    dora: bool = _setting(False, "DoRA: learn each weight's magnitude apart from its direction (peft's use_dora)")
+
+    def check(self) -> None:
+        """One sentence for a value that cannot work; the targets are checked against the model elsewhere."""
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+            raise UserError(f"LoRA rank must be a positive integer, got {self.rank!r}; try --rank 8.")
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float))
+                                       or not math.isfinite(self.alpha) or self.alpha <= 0):
+            raise UserError(f"LoRA alpha must be a positive number, got {self.alpha!r}; a common choice is twice "
+                            "the rank.")
+        if self.targets is not None and not self.targets:
+            raise UserError("--targets names no module; give at least one, e.g. --targets c_attn.")
+        if not 0 <= self.dropout < 1:
+            raise UserError(f"--dropout must be at least 0 and below 1, got {self.dropout!r}.")
+
+    def resolved(self, default_targets) -> AdapterSpec:
+        """Every default filled in: alpha = 2 x rank, the preset's targets."""
+        return replace(self, alpha=self.alpha if self.alpha is not None else 2 * self.rank,
+                       targets=tuple(self.targets or default_targets))
+
+    @property
+    def scaling(self) -> float:
+        """What the adapter's update is multiplied by: alpha / rank, or alpha / sqrt(rank) with rsLoRA."""
+        alpha = self.alpha if self.alpha is not None else 2 * self.rank
+        return alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+    def lora_config(self, task_type: str, modules_to_save=None):
+        """peft's ``LoraConfig`` for this spec (resolve it first)."""
+        from peft import LoraConfig
+
+        targets = ALL_LINEAR if self.targets == (ALL_LINEAR,) else list(self.targets)
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=self.dropout,
+                          bias="none", task_type=task_type, modules_to_save=modules_to_save,
+                          use_rslora=self.rslora, use_dora=self.dora)

@@ -1,0 +1,246 @@
+"""The harness every benchmark shares: the settings, measured runs in fresh processes (alternated and logged), ratios
+of medians as table rows, one results folder per benchmark, and finding the benchmarks.
+
+A benchmark is a module of this package that declares (``overhead.py`` is an example to copy):
+
+    NAME = "overhead"             # its name on the command line and its results folder's
+    HELP = "..."                  # its line in ``python -m my_utils bench --help``: what against what, the target
+    TARGETS = {"overhead": 0.98}  # the targets its rows are checked against
+    ORDER = 10                    # its place in a run of every benchmark and in the tables
+    REPEATS = 3                   # (optional) runs of each configuration by default
+    WORKERS = {"run-x": x_main}   # (optional) commands it runs in fresh processes: python -m my_utils bench run-x
+    def run(s: Settings, folder: Path) -> tuple[dict, list[dict]]: ...   # its figures and its ratio rows
+
+Nothing else names it: adding a benchmark is adding its file. A module without NAME may still offer WORKERS to
+several benchmarks (``course.py``, ``loop.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from functools import cache
+from importlib import import_module
+from pathlib import Path
+from statistics import median
+
+from my_utils.run.results import REPO_ROOT, RUNS_ROOT, Run, unique_dir
+
+BENCH_ROOT = RUNS_ROOT / "bench"
+WARMUP_STEPS = 2  # steps before the steady-state window (first-step allocations, caches)
+DECLARED = ("NAME", "HELP", "TARGETS", "ORDER", "run")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Finding the benchmarks
+
+
+def _modules() -> list:
+    """Every module of this package, imported (each is light: heavy imports live inside functions)."""
+    import pkgutil
+
+    return [import_module(f"{__package__}.{m.name}") for m in pkgutil.iter_modules([str(Path(__file__).parent)])]
+
+
+@cache
+def benchmarks() -> dict:
+    """The benchmark modules (those that declare NAME) by name, in their ORDER."""
+    found = {}
+    for module in sorted((m for m in _modules() if hasattr(m, "NAME")), key=lambda m: getattr(m, "ORDER", 0)):
+        missing = [a for a in DECLARED if not hasattr(module, a)]
+        if missing:
+            raise RuntimeError(f"Benchmark module {module.__name__} declares NAME but not {', '.join(missing)}.")
+        if module.NAME in found:
+            raise RuntimeError(f"Two benchmark modules are named {module.NAME!r}: {found[module.NAME].__name__} "
+                               f"and {module.__name__}.")
+        found[module.NAME] = module
+    return found
+
+
+@cache
+def workers() -> dict:
+    """The commands behind the measured runs (``python -m my_utils bench run-...``), from every module."""
+    return {name: main for m in _modules() for name, main in getattr(m, "WORKERS", {}).items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Settings
+
+
+@dataclass
+class Settings:
+    preset: str = "tiny"  # the model and data of every training benchmark
+    random_init: bool = False
+    data_file: str | None = None
+    memory_preset: str = "gpt2"  # the architecture of the memory benchmark (random weights)
+    qlora_preset: str = "opt-350m"  # the architecture of the 4-bit weights measurement
+    batch_size: int | None = None  # per process; default: the preset's
+    steps: int = 40  # optimizer steps per training run
+    repeats: int | None = None  # runs of each configuration; default per benchmark (its REPEATS)
+    threads: int = 1  # intra-op threads per process on a CPU
+    memory_batch_size: int = 4
+    memory_max_length: int = 256
+    bf16: bool = False  # bf16 mixed precision (by default where the device computes it natively)
+    quick: bool = False
+    output_root: str = str(BENCH_ROOT)
+
+    def repeats_for(self, name: str) -> int:
+        return self.repeats or (1 if self.quick else benchmarks()[name].REPEATS)
+
+    def batch(self) -> int:
+        """Examples per process: --batch-size, else the preset's."""
+        from my_utils.core.presets import get_preset
+
+        return self.batch_size or get_preset(self.preset).batch_size
+
+    def preset_args(self) -> list[str]:
+        """The model and data options every training command shares."""
+        return ["--preset", self.preset, *(["--random-init"] if self.random_init else []),
+                *(["--data-file", self.data_file] if self.data_file else [])]
+
+
+def quick_settings(s: Settings) -> Settings:
+    """A smoke run: few steps, one repeat, the tiny model everywhere."""
+    return Settings(**{**asdict(s), "steps": min(s.steps, 2 * WARMUP_STEPS + 2), "memory_preset": "tiny",
+                       "qlora_preset": "tiny", "memory_max_length": min(s.memory_max_length, 64)})
+
+
+def logging_steps(steps: int) -> int:
+    return max(1, steps // 8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Measured runs, each in a fresh process
+
+
+def bench_env(s: Settings, threads: int | None = None) -> dict:
+    """The environment of every measured process: offline as configured, ``threads`` intra-op threads, one
+    precision for every run (the LoRA workflow and the bare loop both read ACCELERATE_MIXED_PRECISION)."""
+    from my_utils.run.launch import clean_env
+    from my_utils.tools.sweep import STEADY_MEMORY_ENV
+
+    threads = threads or s.threads
+    return clean_env(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
+                     ACCELERATE_MIXED_PRECISION="bf16" if s.bf16 else "no", **STEADY_MEMORY_ENV)
+
+
+def python_command(*args) -> list[str]:
+    """A worker's command line: ``python -m my_utils bench run-... args``."""
+    return [sys.executable, "-m", "my_utils", "bench", *map(str, args)]
+
+
+def run_logged(cmd: list[str], log: Path, env: dict, ok_codes=(0,)) -> None:
+    """Run ``cmd`` in a fresh process with its output going to ``log``; raise with the log's end if it fails."""
+    with open(log, "w", encoding="utf-8") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        code = subprocess.run(cmd, env=env, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code not in ok_codes:
+        tail = "".join(log.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"a measured run failed (exit code {code}); the end of {log}:\n{tail}")
+
+
+def alternate(variants: dict, repeats: int, folder: Path, env: dict, desc: str) -> dict[str, list[Path]]:
+    """Run every variant ``repeats`` times, alternating (A B, then B A, ...), each in a fresh process.
+
+    ``variants`` maps a name to ``command(out_dir) -> list[str]``; run i of a variant writes ``folder/<name>_<i>``
+    and logs to ``folder/<name>_<i>.log``. Returns each variant's results folders, in order.
+    """
+    from tqdm.auto import tqdm
+
+    done = {name: [] for name in variants}
+    names = list(variants)
+    with tqdm(total=repeats * len(names), desc=desc, unit="run", file=sys.stdout) as bar:
+        for repeat in range(1, repeats + 1):
+            for name in names if repeat % 2 else reversed(names):
+                bar.set_postfix_str(f"{name} {repeat}/{repeats}")
+                out = folder / f"{name}_{repeat}"
+                run_logged(variants[name](out), folder / f"{name}_{repeat}.log", env)
+                done[name].append(out)
+                bar.update()
+    return done
+
+
+def process_scaling(folder: Path, command, figures, repeats: int, env: dict, desc: str) -> dict:
+    """Alternate 1-process and 2-process runs of one workflow: ``command(processes, out)`` builds a run's command
+    line, ``figures(out)`` reads from its results folder the ``world_size`` its workers saw, its ``rate``
+    (samples/s, tokens/s...) and ``cpu_rate`` (the same per CPU-second of its busiest process). Returns both
+    configurations' figures, the ratio of median rates (2 processes over 1) and the same from CPU time."""
+    from my_utils.run.launch import check_process_count
+
+    check_process_count(2)
+    runs = alternate({"x1": lambda out: command(1, out), "x2": lambda out: command(2, out)}, repeats, folder, env, desc)
+    found = {n: [figures(p) for p in runs[f"x{n}"]] for n in (1, 2)}
+    for n, results in found.items():
+        if any(r["world_size"] != n for r in results):
+            raise RuntimeError(f"A run launched with {n} process(es) saw another world size; see its run.json.")
+    wall, cpu = throughput_ratio(found[2], found[1], "rate", "cpu_rate")
+    return {"x1": found[1], "x2": found[2], "ratio": wall, "cpu_time_ratio": cpu}
+
+
+def recorded_run(output_dir: str, config: dict, body) -> None:
+    """A worker's results folder: create it, run ``body`` and write its figures as summary.json (failed or
+    interrupted else)."""
+    from my_utils.run.lifecycle import recorded
+    from my_utils.run.results import check_new_run_dir
+
+    run = Run.create(check_new_run_dir(output_dir), config=config)
+    with recorded(run):
+        run.finish(body())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ratios and the table
+
+
+def throughput_ratio(measured: list[dict], baseline: list[dict], rate: str = "tokens_per_s",
+                     cpu_rate: str = "cpu_tokens_per_s") -> tuple[float, float]:
+    """(wall-clock, CPU-time) ratio of the median rates (useful tokens/s by default) of two lists of runs."""
+    wall = median(r[rate] for r in measured) / median(r[rate] for r in baseline)
+    cpu = median(r[cpu_rate] for r in measured) / median(r[cpu_rate] for r in baseline)
+    return wall, cpu
+
+
+def ratio_row(benchmark: str, figure: str, measured: str, baseline: str, ratio: float, *, target: float | None = None,
+              at_most: bool = False, cpu_ratio: float | None = None, detail: str = "") -> dict:
+    """One line of the results table: ``measured`` / ``baseline`` of ``figure``, and whether it meets the target."""
+    met = None if target is None else (ratio <= target if at_most else ratio >= target)
+    return {"benchmark": benchmark, "figure": figure, "measured": measured, "baseline": baseline, "ratio": ratio,
+            "cpu_time_ratio": cpu_ratio, "target": None if target is None else f"{'<=' if at_most else '>='} {target}",
+            "met": met, "detail": detail}
+
+
+def render_table(rows: list[dict], markdown: bool = False) -> str:
+    """The ratio rows as a text table (terminal) or a markdown one (README)."""
+    from my_utils.tools.compare import markdown_table, text_table
+
+    def verdict(r):
+        return "-" if r["target"] is None else f"{r['target']} {'met' if r['met'] else 'MISSED'}"
+
+    return (markdown_table if markdown else text_table)(
+        ["benchmark", "ratio", "CPU-time est.", "target", "measured", "baseline", "figure"],
+        [[r["benchmark"], f"{r['ratio']:.3f}", "-" if r["cpu_time_ratio"] is None else f"{r['cpu_time_ratio']:.3f}",
+          verdict(r), r["measured"], r["baseline"], r["figure"] + (f" ({r['detail']})" if r["detail"] else "")]
+         for r in rows])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One benchmark, one results folder
+
+
+def run_benchmark(name: str, s: Settings, argv: list[str]) -> tuple[Path, list[dict]]:
+    """Run one benchmark into a new results folder; returns the folder and its ratio rows."""
+    from my_utils.core.devices import device_inventory
+    from my_utils.run.lifecycle import recorded
+
+    folder = unique_dir(Path(s.output_root) / name)
+    record = Run.create(folder, config=asdict(s), command=["python", "-m", "my_utils", "bench", *argv],
+                        benchmark=name, load_average_before=os.getloadavg(), devices=device_inventory())
+    with recorded(record):
+        result, rows = benchmarks()[name].run(s, folder)
+        record.update(load_average_after=os.getloadavg())
+        record.finish({"benchmark": name, "ratios": rows, **result})
+    return folder, rows
+
