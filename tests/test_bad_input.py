@@ -228,6 +228,24 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, status, config, resume
     assert (folder / "run.json").read_bytes() == before
 
 
+def test_a_running_run_is_refused_while_its_process_lives_and_reads_as_crashed_once_it_is_gone(tmp_path):
+    from my_utils.run.results import load_run
+
+    folder = _finished_run(tmp_path / "run", "failed")
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        Run(folder).update(status="running", pid=writer.pid)  # as a live run records itself
+        assert load_run(folder)["run"]["status"] == "running"
+        with pytest.raises(UserError, match=r"is still running \(process \d+\); let it finish") as e:
+            lora.validate(lora_config(output_dir=str(folder), resume=True))
+        assert_one_sentence(str(e.value))
+    finally:
+        writer.kill()
+        writer.wait()
+    assert load_run(folder)["run"]["status"] == "crashed"  # SIGKILL left "running" behind; every reader says so
+    assert json.loads((folder / "run.json").read_text())["status"] == "running"  # reading changed nothing
+
+
 def test_resume_of_a_folder_that_is_not_there(tmp_path):
     with pytest.raises(UserError, match="There is no results folder at .* to resume"):
         lora.validate(lora.Config(output_dir=str(tmp_path / "gone"), resume=True))

@@ -13,13 +13,14 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 from my_utils import UserError
 from my_utils.run.checkpoints import checkpoint_step, find_resume_checkpoint, set_aside_incomplete
-from my_utils.run.results import Run, check_new_run_dir, now, read_json, redact_secrets, unique_dir
+from my_utils.run.results import Run, check_new_run_dir, now, owner_alive, read_json, redact_secrets, unique_dir
 
 
 def _agree(state, outcome: list) -> list:
@@ -72,6 +73,9 @@ def check_resumable(run_dir: str | Path, config: dict, may_differ=()) -> dict:
                         "with another --output-dir.") from None
     if info.get("status") == "complete":
         raise UserError(f"The run in {run_dir} is already complete; there is nothing to resume.")
+    if info.get("status") == "running" and owner_alive(info):
+        raise UserError(f"The run in {run_dir} is still running (process {info['pid']}); let it finish or stop it "
+                        "before resuming.")
     recorded_config = _flat(info.get("config") or {})
     for key, value in _flat(config).items():
         if key in may_differ or key not in recorded_config:
@@ -132,7 +136,8 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
                       "previous_error": info.get("error"), "set_aside": moved,
                       "command": redact_secrets(command if command is not None
                                                 else [os.path.basename(sys.argv[0]), *sys.argv[1:]])}
-            run.update(status="running", finished=None, error=None, resumes=[*info.get("resumes", []), resume])
+            run.update(status="running", finished=None, error=None, resumes=[*info.get("resumes", []), resume],
+                       pid=os.getpid(), host=socket.gethostname())  # the resumed run's writer owns it now
             outcome = [str(checkpoint), None]
         except UserError as e:
             outcome = [None, str(e)]

@@ -18,6 +18,7 @@ import datetime as _dt
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -164,6 +165,7 @@ class Run:
             # processes (a sweep, a memory measurement) really were
             "pid": os.getpid(),
             "ppid": os.getppid(),
+            "host": socket.gethostname(),
             **fields,
         }
         atomic_write_json(path / "run.json", info)
@@ -271,8 +273,30 @@ def find_run_dirs(*paths: str | Path) -> list[Path]:
     return sorted(found)
 
 
+def owner_alive(info: dict) -> bool | None:
+    """Whether the process that writes a run (run.json's pid and host) is alive: None when it cannot be known
+    here (another machine, or no pid recorded)."""
+    if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
+        return None
+    try:
+        os.kill(info["pid"], 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, owned by someone else
+        return True
+    return True
+
+
+def current_status(info: dict) -> str:
+    """A run's status as every reader should see it: ``running`` whose writer is gone (SIGKILL, a full disk, a
+    lost machine's process on this one) is ``crashed``."""
+    status = info.get("status")
+    return "crashed" if status == "running" and owner_alive(info) is False else status
+
+
 def load_run(path: str | Path) -> dict:
-    """run.json, summary.json (or None) and the metrics rows of one folder, plus its path."""
+    """run.json (with its current status: ``crashed`` for a running one whose writer is gone), summary.json (or
+    None) and the metrics rows of one folder, plus its path."""
     path = Path(path)
     summary = path / "summary.json"
     metrics = path / "metrics.jsonl"
@@ -283,9 +307,10 @@ def load_run(path: str | Path) -> dict:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:  # a line cut by a crash
                 continue
+    info = read_json(path / "run.json")
     return {
         "path": str(path),
-        "run": read_json(path / "run.json"),
+        "run": {**info, "status": current_status(info)},
         "summary": read_json(summary) if summary.is_file() else None,
         "metrics": rows,
     }

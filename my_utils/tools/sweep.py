@@ -37,7 +37,7 @@ from pathlib import Path
 
 from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
-from my_utils.run.results import RUNS_ROOT, atomic_write_json, load_run, read_json, unique_dir
+from my_utils.run.results import RUNS_ROOT, atomic_write_json, current_status, load_run, read_json, unique_dir
 
 WORKFLOW = "my_utils.workflows.lora"
 # Options the sweep gives every cell itself.
@@ -222,8 +222,9 @@ def cell_command(spec: SweepSpec, cell: dict, folder: Path) -> list[str]:
 
 
 def _status(folder: Path) -> str | None:
+    """The cell's run status (``crashed`` for a running one whose process is gone), or None without a run."""
     try:
-        return read_json(folder / "run.json").get("status")
+        return current_status(read_json(folder / "run.json"))
     except (OSError, ValueError):
         return "unreadable" if folder.exists() else None
 
@@ -282,6 +283,9 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
         if status == "complete":
             print(f"{folder.name}: complete, skipped", flush=True)
             continue
+        if status == "running":
+            raise UserError(f"The cell {folder} is still being run by another process; let that sweep finish "
+                            "before running this one.")
         if status is not None:
             moved = unique_dir(folder.with_name(f"{folder.name}.{status}"))
             folder.rename(moved)
