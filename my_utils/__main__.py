@@ -23,10 +23,12 @@ def main(argv=None) -> None:
         "bench": ("benchmarks of the course's defaults against the usual alternatives, as ratios", "my_utils.tools.bench"),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        parser = argparse.ArgumentParser(prog="python -m my_utils",
-                                         description="The course's command line. Commands:\n" + "\n".join(
-                                             f"  {name:<9} {text}" for name, (text, _) in commands.items()),
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        from my_utils.run.config import OneLineParser
+
+        parser = OneLineParser(prog="python -m my_utils",
+                               description="The course's command line. Commands:\n" + "\n".join(
+                                   f"  {name:<9} {text}" for name, (text, _) in commands.items()),
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("command", choices=commands)
         parser.parse_args(argv[:1])
     from importlib import import_module

@@ -171,7 +171,7 @@ def test_bad_settings_are_one_sentence_before_the_folder_exists(tmp_path, change
     ('{"instruction": "Say hi", "input": "", "output": "h\xe9"}\n'.encode("latin-1"), "is not UTF-8 .*re-save it"),
     (b'{"instruction": "Say hi", "output": "hi"}\n', "has no column 'input'; every row needs instruction"),
     (b'{"instruction": "Say hi", "input": "", "output": "hi"\n', "Line 1 of .* is not valid JSON"),
-    (b'{"instruction": "Add 2 and 2.", "input": "", "output": 4}\n', "has int 4 in column 'output', not text"),
+    (b'{"instruction": "Add 2 and 2.", "input": "", "output": 4}\n' * 2, "has int 4 in column 'output', not text"),
 ])
 def test_bad_data_files_are_one_sentence_before_the_folder_exists(tmp_path, content, message):
     data = tmp_path / "data.jsonl"
@@ -370,3 +370,90 @@ def test_the_secret_redactor_leaves_ordinary_words_and_file_names_alone():
     assert redact_secrets(names) == names
     token = "sk-" + "Ab1_" * 6
     assert redact_secrets([f"/keys/{token}/x", f"key={token}"]) == [f"/keys/{REDACTED}/x", f"key={REDACTED}"]
+
+
+# ------------------------------------------------------------------------------------------ every command
+
+
+# Hostile inputs to every command, run in this process as the shell runs them: (command, arguments, what the one
+# sentence says). "{tmp}" is the test's folder (files below), "{run}" a complete results folder inside it.
+HOSTILE = [
+    ("lora", ["--output-dir", "{run}/adapter"], "is inside the results folder .*; choose an --output-dir outside"),
+    ("lora", ["--output-dir", ""], "--output-dir is empty; name a new folder"),
+    ("lora", ["--rank", "100000"], "LoRA rank 100000 is above the width of 'c_attn' \\(192\\)"),
+    ("lora", ["--data-file", "{tmp}/null.jsonl"], "Line 1 of .* is null, not an object with instruction"),
+    ("lora", ["--data-file", "{tmp}/string.jsonl"], 'Line 1 of .* is "just a string", not an object'),
+    ("lora", ["--data-file", "{tmp}/folder.jsonl"], "is a folder; give the path of a JSON-lines file inside it"),
+    ("lora", ["--data-file", "{tmp}/one_row.jsonl"], "has 1 row; it needs at least 2"),
+    ("lora", ["--seed", "-1"], "--seed must be an integer from 0 to 2\\*\\*32 - 1, got -1"),
+    ("lora", ["--max-length", "100000000"], "max_length 100000000 is longer than the model allows \\(256\\)"),
+    ("plan", ["--memory", "0"], "The memory size '0' is not positive"),
+    ("plan", ["--memory=-5GiB"], "Cannot read the memory size '-5GiB'"),
+    ("plan", ["--max-length", "100000000"], "--max-length 100000000 is longer than tiny allows \\(256 positions\\)"),
+    ("plan", ["--rank", "100000"], "LoRA rank 100000 is above the width of the layers it adapts \\(192\\)"),
+    ("compare", ["{run}", "--output-dir", "{tmp}/a_file"], "--output-dir .* is a file; name a folder"),
+    ("compare", ["{run}", "--output-dir", "{tmp}/compared"], "already holds a comparison, which is never overwritten"),
+    ("compare", ["{run}", "--output-dir", "{run}/comparison"], "is inside the results folder"),
+    ("sweep", ["--spec", "{tmp}/missing.json"], "Sweep spec .* does not exist"),
+    ("sweep", ["--spec", "{tmp}/not_json.json"], "Sweep spec .* is not valid JSON \\(line 1"),
+    ("sweep", ["--spec", "{tmp}/unknown_key.json"], "Sweep spec .* has an unknown key 'grid'"),
+    ("sweep", ["--max-steps", "0", "--output-dir", "{tmp}/sweep"], "--max-steps must be a positive integer, got 0"),
+    ("sweep", ["--output-dir", "{run}/sweep"], "is inside the results folder"),
+    ("bench", ["--output-root", "{run}/bench"], "is inside the results folder"),
+    ("demo", ["--processes", "0"], "--processes must be a positive integer, got 0"),
+]
+
+
+def _hostile_folder(tmp: Path) -> None:
+    """The files the hostile inputs name."""
+    (tmp / "null.jsonl").write_text("null\n", encoding="utf-8")
+    (tmp / "string.jsonl").write_text('"just a string"\n', encoding="utf-8")
+    (tmp / "folder.jsonl").mkdir()
+    write_rows(tmp / "one_row.jsonl", rows(1))
+    (tmp / "a_file").write_text("", encoding="utf-8")
+    (tmp / "compared").mkdir()
+    (tmp / "compared" / "comparison.md").write_text("an earlier comparison\n", encoding="utf-8")
+    (tmp / "not_json.json").write_text("{grids: [}", encoding="utf-8")
+    (tmp / "unknown_key.json").write_text('{"grid": {"rank": [4]}}', encoding="utf-8")
+    Run.create(tmp / "run", config={"preset": "tiny"}, world_size=1).finish({"steps": 1})
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("command, args, expected", HOSTILE, ids=[f"{c} {' '.join(a)}" for c, a, _ in HOSTILE])
+def test_every_command_refuses_hostile_input_in_one_sentence_and_writes_nothing(tmp_path, capsys, command, args,
+                                                                               expected):
+    import my_utils.__main__
+
+    _hostile_folder(tmp_path)
+    before = _snapshot(tmp_path)
+    argv = [a.replace("{run}", str(tmp_path / "run")).replace("{tmp}", str(tmp_path)) for a in args]
+    with pytest.raises(SystemExit) as e:
+        lora.main(argv) if command == "lora" else my_utils.__main__.main([command, *argv])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and re.search(expected, lines[0]), lines
+    assert_one_sentence(lines[0])
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_data_file_with_a_byte_order_mark_reads_like_any_other(tmp_path):
+    from my_utils.core.data import INSTRUCTION_COLUMNS, read_jsonl
+
+    data = write_rows(tmp_path / "plain.jsonl", rows(3))
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + data.read_bytes())  # as some Windows editors save UTF-8
+    assert read_jsonl(marked, INSTRUCTION_COLUMNS) == read_jsonl(data, INSTRUCTION_COLUMNS) == rows(3)
+
+
+def test_a_results_folder_whose_run_json_cannot_be_written_is_removed_again(tmp_path, monkeypatch):
+    from my_utils.run import results
+
+    def disk_full(path, obj):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(results, "atomic_write_json", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        Run.create(tmp_path / "run", config={})
+    assert not (tmp_path / "run").exists()  # an empty folder would block the retry

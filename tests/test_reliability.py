@@ -171,12 +171,16 @@ def test_crash_then_resume_passes_over_a_truncated_checkpoint_and_reproduces_the
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-6"]
     assert find_resume_checkpoint(out / "checkpoints")[0].name == "checkpoint-6"
 
-    # the newest checkpoint is cut short (a disk that filled up): the resume must take the one before
+    # 4,000 bytes inside the newest checkpoint's weights change on disk (same size, headers intact): its hash
+    # gives it away and the resume must take the one before
     weights = out / "checkpoints" / "checkpoint-6" / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
+    data = bytearray(weights.read_bytes())
+    data[-5000:-1000] = bytes(4000)
+    weights.write_bytes(bytes(data))
     resumed = lora([*args, "--resume"], env_for(tmp))
     assert resumed.returncode == 0, tail(resumed)
-    assert "passing over checkpoint-6" in resumed.stderr
+    assert ("passing over checkpoint-6: adapter_model.safetensors changed since it was saved (its SHA-256 differs)"
+            in resumed.stderr)
 
     info, summary = run_info(out), load_run(out)["summary"]
     assert info["status"] == "complete" and info["error"] is None
@@ -186,6 +190,20 @@ def test_crash_then_resume_passes_over_a_truncated_checkpoint_and_reproduces_the
     assert summary["batch_size_per_process"] == 4
     assert losses(out) == losses(baseline)  # every step, exactly: same data order, RNG and optimizer state
     assert summary["train_loss_first"] == load_run(baseline)["summary"]["train_loss_first"]
+
+    # preempted again, after its last step (in the final evaluation): a second resume finishes it from
+    # checkpoint-8 without training a step past --max-steps
+    (out / "summary.json").unlink()
+    (out / "run.json").write_text(json.dumps({**run_info(out), "status": "interrupted"}), encoding="utf-8")
+    finished = lora([*args, "--resume"], env_for(tmp))
+    assert finished.returncode == 0, tail(finished)
+    assert "checkpoint-8 is the last step" in finished.stdout
+    again = load_run(out)["summary"]
+    assert again["steps"] == ONE_PROCESS_STEPS and again["resumed_from_step"] == ONE_PROCESS_STEPS
+    assert again["eval_loss"] == summary["eval_loss"]  # the same weights, evaluated again
+    assert max(m["step"] for m in load_run(out)["metrics"]) == ONE_PROCESS_STEPS
+    assert not (out / "checkpoints" / f"checkpoint-{ONE_PROCESS_STEPS + 1}").exists()
+    assert [r["from_step"] for r in run_info(out)["resumes"]] == [4, ONE_PROCESS_STEPS]
 
 
 def _fake_checkpoint(folder: Path, step: int, whole: bool = True) -> Path:
@@ -205,12 +223,14 @@ def test_resume_never_silently_starts_from_scratch(tmp_path):
     _fake_checkpoint(folder, 2)
     _fake_checkpoint(folder, 4, whole=False)  # cut short before its manifest
     (_fake_checkpoint(folder, 6) / "optimizer.pt").write_bytes(b"x" * 10)  # truncated afterwards
+    (_fake_checkpoint(folder, 8) / "optimizer.pt").write_bytes(b"x" * 99 + b"y")  # one byte changed
     chosen, skipped = find_resume_checkpoint(folder)
     assert chosen.name == "checkpoint-2"
-    assert skipped == [("checkpoint-6", "optimizer.pt has 10 bytes instead of 100"),
+    assert skipped == [("checkpoint-8", "optimizer.pt changed since it was saved (its SHA-256 differs)"),
+                       ("checkpoint-6", "optimizer.pt has 10 bytes instead of 100"),
                        ("checkpoint-4", "it was not finished (no manifest)")]
     (folder / "checkpoint-2" / CHECKPOINT_MANIFEST).unlink()
-    with pytest.raises(UserError, match=r"No checkpoint in .* can be resumed from \(checkpoint-6: optimizer.pt"):
+    with pytest.raises(UserError, match=r"No checkpoint in .* can be resumed from \(checkpoint-8: optimizer.pt"):
         find_resume_checkpoint(folder)
 
 

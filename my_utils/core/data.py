@@ -39,10 +39,12 @@ def format_example(row: dict, eos_token: str = "") -> str:
 def read_jsonl(path: str | Path, columns: tuple[str, ...]) -> list[dict]:
     """Read a JSON-lines file and check that every row has ``columns``; raise UserError otherwise."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"Data file {path} is a folder; give the path of a JSON-lines file inside it.")
     if not path.is_file():
         raise UserError(f"Data file {path} does not exist; check the path or run `python scripts/make_tiny_data.py`.")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark, as some editors write, is skipped
     except UnicodeDecodeError as e:
         raise UserError(f"Data file {path} is not UTF-8 (byte {e.start}); re-save it as UTF-8.") from None
     rows = []
@@ -53,6 +55,9 @@ def read_jsonl(path: str | Path, columns: tuple[str, ...]) -> list[dict]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"Line {number} of {path} is not valid JSON; fix or remove that line.") from None
+        if not isinstance(row, dict):
+            raise UserError(f"Line {number} of {path} is {json.dumps(row)[:40]}, not an object with "
+                            f"{', '.join(columns)}; fix or remove that line.")
         missing = [c for c in columns if c not in row]
         if missing:
             raise UserError(
@@ -102,6 +107,9 @@ def load_instructions(source: str, *, eval_rows: int = 200, seed: int = 0, path:
     or a JSON-lines file given by ``path``."""
     if path is not None:
         rows = read_jsonl(path, INSTRUCTION_COLUMNS)
+        if len(rows) < 2:
+            raise UserError(f"Data file {path} has 1 row; it needs at least 2, one held out for evaluation and the "
+                            "rest to train on.")
         cut = max(1, min(eval_rows, len(rows) // 10))
         return rows[cut:], rows[:cut]
     if source == "tiny":

@@ -26,6 +26,9 @@ def load_tokenizer(preset: Preset, role: str = "causal", *, trust_remote_code: b
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(preset.require(role), trust_remote_code=trust_remote_code)
+    if role == "causal" and tokenizer.eos_token is None:  # training teaches the model to end its answer with it
+        raise UserError(f"The tokenizer of {preset.require(role)} has no end-of-sequence token, which the "
+                        "instruction data ends every answer with; use a tokenizer that defines eos_token.")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -110,9 +113,10 @@ def build_classifier(preset: Preset, num_labels: int, *, random_init: bool = Fal
 LORA_ADAPTABLE = {"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "Linear8bitLt", "Linear4bit"}
 
 
-def check_lora_targets(model, targets) -> None:
+def check_lora_targets(model, targets, rank: int | None = None) -> None:
     """Refuse LoRA target names that match no module of ``model`` (a real model or a ``meta_model``), or that
-    match a module peft cannot adapt (a layer norm, an activation, a whole block)."""
+    match a module peft cannot adapt (a layer norm, an activation, a whole block); and, given ``rank``, a rank
+    above the narrowest adapted layer's width (give the unquantized model: a 4-bit layer's weight is packed)."""
     modules = {}
     for name, module in model.named_modules():
         modules.setdefault(name.rsplit(".", 1)[-1], set()).add(type(module).__name__)
@@ -127,6 +131,12 @@ def check_lora_targets(model, targets) -> None:
         if other:
             raise UserError(f"LoRA target module {target!r} is a {other[0]}, which LoRA cannot adapt; "
                             f"pick from the adaptable layers of {type(model).__name__}: {', '.join(adaptable[:12])}.")
+    widths = {name.rsplit(".", 1)[-1]: min(module.weight.shape) for name, module in model.named_modules()
+              if name.rsplit(".", 1)[-1] in targets and getattr(module, "weight", None) is not None}
+    if rank is not None and widths and rank > min(widths.values()):
+        name, width = min(widths.items(), key=lambda item: item[1])
+        raise UserError(f"LoRA rank {rank} is above the width of {name!r} ({width}), where a rank-{width} update is "
+                        f"already a full one; use --rank {width} or less.")
 
 
 def max_positions(config) -> int | None:

@@ -1,7 +1,9 @@
-"""Checkpoints known to be whole: a manifest written after every save, and the newest whole one to resume from."""
+"""Checkpoints known to be whole: a manifest written after every save (each file's size and SHA-256), and the
+newest whole one to resume from, verified against it."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -20,48 +22,46 @@ def checkpoint_step(folder: str | Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_checkpoint_manifest(folder: str | Path) -> None:
-    """Record every file of a finished checkpoint with its size; written last, atomically."""
+    """Record every file of a finished checkpoint with its size and SHA-256; written last, atomically."""
     folder = Path(folder)
-    files = {p.relative_to(folder).as_posix(): p.stat().st_size
+    files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != CHECKPOINT_MANIFEST}
     atomic_write_json(folder / CHECKPOINT_MANIFEST, {"step": checkpoint_step(folder), "written": now(),
                                                       "files": files})
 
 
 def checkpoint_problem(folder: str | Path) -> str | None:
-    """Why the checkpoint in ``folder`` cannot be resumed from (a few words), or None if it is whole."""
+    """Why the checkpoint in ``folder`` cannot be resumed from (a few words), or None if every file it recorded
+    is there with the same size and content. Nothing is loaded: a damaged file is found by its hash, before torch
+    or safetensors ever reads it."""
     folder = Path(folder)
     try:
-        manifest = read_json(folder / CHECKPOINT_MANIFEST)
-        files = manifest["files"]
+        files = read_json(folder / CHECKPOINT_MANIFEST)["files"]
+        recorded = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
     except FileNotFoundError:
         return "it was not finished (no manifest)"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "its manifest is unreadable"
-    for name, size in files.items():
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "its manifest is unreadable or has no content hashes"
+    if "trainer_state.json" not in recorded:
+        return "trainer_state.json is missing"
+    for name, (size, sha256) in recorded.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes instead of {size}"
-    if "trainer_state.json" not in files:
-        return "trainer_state.json is missing"
-    for name in files:
-        if name.endswith(".safetensors") and not _safetensors_readable(folder / name):
-            return f"{name} is not a readable safetensors file"
+        if file_sha256(path) != sha256:
+            return f"{name} changed since it was saved (its SHA-256 differs)"
     return None
-
-
-def _safetensors_readable(path: Path) -> bool:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            f.keys()
-        return True
-    except Exception:  # safetensors raises its own error types for a damaged header
-        return False
 
 
 def find_resume_checkpoint(checkpoints: str | Path) -> tuple[Path, list[tuple[str, str]]]:

@@ -59,6 +59,18 @@ class RunSettings:
     num_processes: int | None = setting(None, "world size to expect inside each worker (default: the launcher's)")
     random_init: bool = setting(False, "random weights from the shipped config (offline, no quality)")
 
+    def check_common(self):
+        """Check what every workflow takes, before anything starts; returns the preset. A new run's
+        ``output_dir`` must be able to become a new results folder (``check_new_run_dir``)."""
+        from my_utils.core.presets import get_preset
+        from my_utils.run.results import check_new_run_dir
+
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise UserError(f"--seed must be an integer from 0 to 2**32 - 1, got {self.seed!r}.")
+        if self.output_dir is not None and not getattr(self, "resume", False):
+            check_new_run_dir(self.output_dir)
+        return get_preset(self.preset)
+
 
 def _fields(cls):
     """(field, its resolved type) for every field of ``cls``."""

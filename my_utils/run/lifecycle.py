@@ -35,8 +35,9 @@ def _agree(state, outcome: list) -> list:
 def open_run(path: str | Path | None, default: str | Path, config: dict, **fields) -> tuple[Run | None, Path]:
     """Create the results folder on rank 0 and agree on it across ranks.
 
-    ``path`` None picks ``default`` (or ``default_2``... if taken); an explicit path that exists is refused on
-    every rank with the same sentence, and nothing is written. Returns (the Run on rank 0 or None elsewhere,
+    ``path`` None picks ``default`` (or ``default_2``... if taken); an explicit path that ``check_new_run_dir``
+    refuses (it exists, is empty, or lies inside another results folder) is refused on every rank with the same
+    sentence, and nothing is written. Returns (the Run on rank 0 or None elsewhere,
     the agreed folder).
     """
     from accelerate import PartialState
@@ -45,7 +46,7 @@ def open_run(path: str | Path | None, default: str | Path, config: dict, **field
     outcome = [None, None]  # [path, error]
     if state.is_main_process:
         try:
-            target = check_new_run_dir(path) if path else unique_dir(default)
+            target = check_new_run_dir(path) if path is not None else unique_dir(default)
             run = Run.create(target, config=config, **fields)
             outcome = [str(target), None]
         except UserError as e:

@@ -91,18 +91,18 @@ def library_versions() -> dict:
 
 
 def check_new_run_dir(path: str | Path) -> Path:
-    """Preflight: refuse a results folder that already exists, before anything starts."""
+    """Preflight, before anything starts: ``path`` can become a new results folder. It is named (not empty), does
+    not exist (a results folder is never overwritten), is not inside another results folder (whose files it would
+    mix with, or which may still be running), and can be created. Returns it as a Path."""
+    if not str(path).strip():
+        raise UserError("--output-dir is empty; name a new folder, or leave the option out for one under runs/.")
     path = Path(path)
     if path.exists():
         raise UserError(
             f"Results folder {path} already exists and is never overwritten; choose another --output-dir or delete it."
         )
-    return path
-
-
-def check_can_create(path: str | Path) -> None:
-    """Preflight: the folder ``path`` can be created (its nearest existing parent is a writable folder)."""
-    parent = Path(path).absolute().parent
+    check_outside_runs(path)
+    parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
@@ -111,6 +111,24 @@ def check_can_create(path: str | Path) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"Results folder {path} cannot be created because {parent} is not writable; choose "
                         "another --output-dir.")
+    return path
+
+
+def check_outside_runs(path: str | Path) -> None:
+    """Refuse to write ``path`` inside a results folder (its files would mix with the run's, which may still be
+    running), except one made to hold others (``_holds_runs``)."""
+    enclosing = next((p for p in Path(path).absolute().parents if is_run_dir(p) and not _holds_runs(p)), None)
+    if enclosing is not None:
+        raise UserError(f"{path} is inside the results folder {enclosing}; choose an --output-dir outside it.")
+
+
+def _holds_runs(folder: Path) -> bool:
+    """Whether the results folder ``folder`` is made to hold others (a benchmark's measurement runs): its run.json
+    says ``"holds_runs": true``."""
+    try:
+        return read_json(folder / "run.json").get("holds_runs") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def next_run_root(device: str, count: int, root: str | Path = RUNS_ROOT) -> Path:
@@ -152,7 +170,7 @@ class Run:
             path.mkdir()
         except FileExistsError:
             check_new_run_dir(path)
-        run = cls(path)
+            raise
         info = {
             "status": "running",
             "command": redact_secrets(command if command is not None else invocation()),
@@ -168,8 +186,12 @@ class Run:
             "host": socket.gethostname(),
             **fields,
         }
-        atomic_write_json(path / "run.json", info)
-        return run
+        try:
+            atomic_write_json(path / "run.json", info)
+        except BaseException:  # e.g. a full disk: an empty folder would only block the retry
+            path.rmdir()
+            raise
+        return cls(path)
 
     @property
     def info(self) -> dict:
@@ -308,6 +330,8 @@ def load_run(path: str | Path) -> dict:
             except json.JSONDecodeError:  # a line cut by a crash
                 continue
     info = read_json(path / "run.json")
+    if not isinstance(info, dict):
+        raise ValueError(f"{path / 'run.json'} holds no JSON object")
     return {
         "path": str(path),
         "run": {**info, "status": current_status(info)},

@@ -22,8 +22,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from my_utils import UserError
 from my_utils.core.memory import format_bytes, peak_bytes
-from my_utils.run.results import find_run_dirs, load_run
+from my_utils.run.results import check_outside_runs, find_run_dirs, load_run
 
 # Configuration keys that do not make two runs different experiments: the process count is what a speedup
 # varies; the others say where and how a run is kept (its folder, resuming, checkpoints, a collective's timeout).
@@ -350,13 +351,27 @@ def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
     return {**files, "markdown": out / "comparison.md", "text": out / "comparison.txt"}
 
 
+def check_comparison_dir(out: str) -> Path:
+    """``--output-dir`` of compare: a folder (new, or one without a comparison yet) outside every results folder."""
+    if not out.strip():
+        raise UserError("--output-dir is empty; name a folder for the comparison.")
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--output-dir {path} is a file; name a folder for the comparison.")
+    if (path / "comparison.md").exists():
+        raise UserError(f"{path} already holds a comparison, which is never overwritten; choose another --output-dir "
+                        "or delete it.")
+    check_outside_runs(path)
+    return path
+
+
 def main(argv=None) -> None:
     import argparse
 
-    from my_utils import UserError
+    from my_utils.run.config import OneLineParser
 
-    p = argparse.ArgumentParser(prog="python -m my_utils compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m my_utils compare", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="results folders, or folders that contain them")
     p.add_argument("--markdown", action="store_true", help="print markdown tables (for the README)")
     p.add_argument("--output-dir", dest="out", help="folder to write comparison.md, comparison.txt and the PNG plots into")
@@ -364,10 +379,12 @@ def main(argv=None) -> None:
     missing = [x for x in args.paths if not Path(x).exists()]
     if missing:
         raise UserError(f"{missing[0]} does not exist; pass results folders such as runs/run_1_cpu_x2.")
+    if args.out is not None:
+        check_comparison_dir(args.out)  # before the runs are read
     comparison = compare(*args.paths)
     if not comparison.runs and not comparison.left_out:
         raise UserError(f"No results folder (a folder with run.json) under {' '.join(args.paths)}; "
                         "pass the folder a run wrote.")
-    files = write_outputs(comparison, args.out) if args.out else {}
+    files = write_outputs(comparison, check_comparison_dir(args.out)) if args.out is not None else {}
     images = {t: str(f) for t, f in files.items() if f.suffix == ".png"}
     print(render(comparison, markdown=args.markdown, images=images))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,16 +36,21 @@ def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 
     A failing cell raises, after the partly executed notebook is saved for inspection."""
     import nbformat
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
     nb = nbformat.read(path, as_version=4)
     previous = {k: os.environ.get(k) for k in ("COURSE_RUN_ROOT", "PYTHONPATH")}
     os.environ["COURSE_RUN_ROOT"] = str(run_root)
     # The kernel is a new process: make this checkout importable there even without `pip install -e .`.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), previous["PYTHONPATH"]]))
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}})
     started = time.perf_counter()
     try:
-        client.execute()
+        # The kernel talks to this process over local sockets (IPC), not TCP ports open to the machine: nothing to
+        # eavesdrop on, and the kernel has no reason to warn about it.
+        with tempfile.TemporaryDirectory() as sockets:
+            kernel = Config({"KernelManager": {"transport": "ipc", "ip": str(Path(sockets) / "kernel")}})
+            NotebookClient(nb, timeout=timeout, kernel_name="python3", config=kernel,
+                           resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
     finally:
         nbformat.write(nb, out_path)
         for key, value in previous.items():
@@ -59,13 +65,15 @@ def main(argv=None) -> Path:
     from tqdm import tqdm
 
     from my_utils.core.devices import device_kind, usable_cores
+    from my_utils.run.config import OneLineParser, check_positive
     from my_utils.tools.compare import overview
 
-    p = argparse.ArgumentParser(prog="python -m my_utils demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m my_utils demo", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", help="two-digit numbers of the notebooks to run (default: all)")
     p.add_argument("--processes", type=int, default=2, help="processes for the multi-process lessons")
     args = p.parse_args(argv)
+    check_positive("--processes", args.processes)
 
     selected = notebooks(args.only)
     count = args.processes if device_kind() == "cpu" else __import__("torch").cuda.device_count()

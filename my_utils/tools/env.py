@@ -97,8 +97,10 @@ def render(env: dict) -> str:
 def main(argv=None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m my_utils env", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from my_utils.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m my_utils env", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="show this accelerate config file instead of the default one")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = p.parse_args(argv)

@@ -114,6 +114,7 @@ class Architecture:
     linears: dict = field(repr=False)  # module name -> (in features, out features, has bias)
     quantizable: tuple = field(repr=False)  # names of the linear layers bitsandbytes would quantize
     head_params: int = 0  # classification head (trained beside LoRA adapters)
+    positions: int | None = None  # the longest sequence the model takes (its position embeddings), if it has a limit
 
 
 def _first(config, names, default=None):
@@ -163,6 +164,8 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from my_utils.core.models import max_positions
 
     if config.model_type not in MODELLED:
         raise _refuse(name, f"it knows the layouts of {', '.join(MODELLED[:-1])} and {MODELLED[-1]} models, "
@@ -224,6 +227,7 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
         linears=linears,
         quantizable=tuple(quantizable),
         head_params=sum(p.numel() for n in head for p in getattr(model, n).parameters()),
+        positions=max_positions(config),
     )
 
 
@@ -463,7 +467,15 @@ def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | N
         adapter.check()
         check_adapter_modelled(adapter)
     arch = architecture(preset)
+    if arch.positions and seq > arch.positions:
+        raise UserError(f"--max-length {seq} is longer than {preset} allows ({arch.positions} positions); use "
+                        f"--max-length {arch.positions} or less.")
     adapter = adapter.resolved(p.lora_targets if arch.role == "causal" else p.classifier_lora_targets)
+    widths = {name.rsplit(".", 1)[-1]: min(inp, out) for name, (inp, out, _) in arch.linears.items()}
+    width = min((w for name, w in widths.items() if name in adapter.targets), default=None)
+    if method != "full" and width is not None and adapter.rank > width:
+        raise UserError(f"LoRA rank {adapter.rank} is above the width of the layers it adapts ({width}), where a "
+                        f"rank-{width} update is already a full one; use --rank {width} or less.")
     return estimate(arch, method, quantize=quantize, rank=adapter.rank, targets=adapter.targets, batch=batch, seq=seq,
                     processes=processes, dtype=dtype, gradient_checkpointing=gradient_checkpointing, device=device)
 
@@ -665,6 +677,8 @@ def parse_size(text: str) -> float:
     if not m:
         raise UserError(f"Cannot read the memory size {text!r}; write it like 24GiB, 16GB or 512MiB.")
     number, unit = float(m.group(1)), (m.group(2) or "B").upper().rstrip("B")
+    if number <= 0:
+        raise UserError(f"The memory size {text!r} is not positive; give the memory to fit, like 24GiB.")
     if not unit:
         return number
     base = 1024 if unit.endswith("I") else 1000
@@ -699,10 +713,10 @@ def main(argv=None) -> Plan:
 
     from my_utils.core.adapters import AdapterSpec
     from my_utils.core.presets import PRESETS
-    from my_utils.run.config import add_arguments, build_config
+    from my_utils.run.config import OneLineParser, add_arguments, build_config
 
-    ap = argparse.ArgumentParser(prog="python -m my_utils plan", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="python -m my_utils plan", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)}")
     ap.add_argument("--method", default="lora", help="full, lora or qlora (4-bit; qlora-8bit for 8-bit)")
     ap.add_argument("--quantize", choices=("4bit", "8bit"), help="QLoRA's weight format (default 4bit)")

@@ -157,13 +157,13 @@ class SweepSpec:
         self.args = {key: _canonical(key, value, options) for key, value in self.args.items()}
         self.grids = [self._checked_grid(grid, options) for grid in
                       (self.grids or DEFAULT_GRIDS.get(self.preset, REAL_MODEL_GRIDS))]
-        targets = set()
+        adapters = set()
         for cell in self.cells():
             cfg = _workflow_config({"preset": self.preset, **self.args, **cell})
             validate(cfg)
-            if cfg.method == "lora" and cfg.adapter is not None and cfg.adapter.targets:
-                targets.add(cfg.adapter.targets)
-        _check_targets(self.preset, targets)
+            if cfg.method == "lora" and cfg.adapter is not None:
+                adapters.add((cfg.adapter.targets, cfg.adapter.rank))
+        _check_adapters(self.preset, adapters)
 
     def _checked_grid(self, grid: dict, options: dict) -> dict:
         if not isinstance(grid, dict):
@@ -195,19 +195,21 @@ class SweepSpec:
         return list(cells.values())
 
 
-def _check_targets(preset_name: str, targets: set) -> None:
-    """Every target module exists in the preset's architecture (built on the meta device: no weights)."""
+def _check_adapters(preset_name: str, adapters: set) -> None:
+    """Every (target modules, rank) exists in the preset's architecture and fits its layers (built on the meta
+    device: no weights)."""
     from my_utils.core.presets import get_preset
 
-    shipped = get_preset(preset_name).offline_config.get("causal")
-    if not targets or not shipped:
+    preset = get_preset(preset_name)
+    shipped = preset.offline_config.get("causal")
+    if not adapters or not shipped:
         return
     from my_utils.core.devices import meta_model
     from my_utils.core.models import check_lora_targets
 
     model = meta_model(shipped)
-    for names in sorted(targets):
-        check_lora_targets(model, names)
+    for targets, rank in sorted(adapters, key=str):
+        check_lora_targets(model, targets or preset.lora_targets, rank)
 
 
 def cell_command(spec: SweepSpec, cell: dict, folder: Path) -> list[str]:
@@ -261,6 +263,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     from my_utils.core.devices import usable_cores
     from my_utils.run.config import check_positive
     from my_utils.run.launch import check_process_count, clean_env, is_cpu_only
+    from my_utils.run.results import check_outside_runs
 
     out = Path(out)
     check_positive("--jobs", jobs)
@@ -271,6 +274,9 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     if jobs > usable_cores():
         cores = usable_cores()
         raise UserError(f"--jobs {jobs} is more than this machine's {cores} cores; use --jobs {cores} or fewer.")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir {out} is a file; name a folder for the sweep.")
+    check_outside_runs(out)
     _check_same_experiment(spec, out)
     out.mkdir(parents=True, exist_ok=True)
     cells = {cell_name(c): c for c in _saved_cells(out)} | {cell_name(c): c for c in spec.cells()}
@@ -759,11 +765,34 @@ def _literal(text: str):
         return text
 
 
+def read_spec(path: Path) -> dict:
+    """The JSON object of a ``--spec`` file, its keys checked: one sentence for a file that is missing, not JSON,
+    or not a sweep spec."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8-sig"))
+    except FileNotFoundError:
+        raise UserError(f"Sweep spec {path} does not exist; check the path given to --spec.") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"Sweep spec {path} cannot be read ({getattr(e, 'strerror', None) or e}); give a UTF-8 "
+                        "JSON file to --spec.") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"Sweep spec {path} is not valid JSON (line {e.lineno}: {e.msg}); fix it.") from None
+    keys = [f.name for f in fields(SweepSpec)]
+    if not isinstance(spec, dict):
+        raise UserError(f"Sweep spec {path} holds {type(spec).__name__}, not an object with {', '.join(keys)}.")
+    unknown = [key for key in spec if key not in keys]
+    if unknown:
+        raise UserError(f"Sweep spec {path} has an unknown key {unknown[0]!r}; use {', '.join(keys)}.")
+    return spec
+
+
 def parse_args(argv=None) -> tuple[SweepSpec, Path, int]:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m my_utils sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from my_utils.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m my_utils sweep", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", type=Path, help="a JSON file with preset, grids, args (the options below override it)")
     p.add_argument("--preset", help="tiny (CPU, offline), gpt2, opt-350m (default: tiny)")
     p.add_argument("--grid", nargs="+", action="append", metavar="OPTION=V1,V2",
@@ -782,7 +811,7 @@ def parse_args(argv=None) -> tuple[SweepSpec, Path, int]:
         p.add_argument(f"--{name}", type=kind, help=text)
     p.add_argument("--random-init", action="store_true", help="random weights (offline; no quality)")
     a = p.parse_args(argv)
-    spec = json.loads(a.spec.read_text(encoding="utf-8")) if a.spec else {}
+    spec = read_spec(a.spec) if a.spec else {}
     preset = a.preset or spec.get("preset", "tiny")
     args = {**DEFAULT_ARGS.get(preset, {}), **spec.get("args", {})}
     args.update({k: v for k, v in vars(a).items() if k in {n.replace("-", "_") for n in shared} and v is not None})

@@ -57,10 +57,9 @@ class Config(RunSettings):
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
-    from my_utils.core.presets import get_preset
     from my_utils.run.config import check_choice, check_positive
 
-    preset = get_preset(cfg.preset)
+    preset = cfg.check_common()
     preset.require("classifier")
     check_choice("method", cfg.method, METHODS)
     check_choice("parallel mode", cfg.parallel, PARALLEL)

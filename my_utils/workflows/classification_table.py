@@ -94,8 +94,10 @@ def plot_classification(runs: list[dict], path) -> Path:
 def main(argv=None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m my_utils.workflows.classification_table", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from my_utils.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m my_utils.workflows.classification_table", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="results folders, or folders that contain them")
     p.add_argument("--markdown", action="store_true", help="a markdown table")
     args = p.parse_args(argv)

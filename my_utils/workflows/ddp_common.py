@@ -23,9 +23,8 @@ from my_utils.run.config import check_positive
 def validate_common(cfg):
     """Checks shared by the data-parallel workflows' configs; returns the preset (bad input: one sentence)."""
     from my_utils import UserError
-    from my_utils.core.presets import get_preset
 
-    preset = get_preset(cfg.preset)
+    preset = cfg.check_common()
     preset.require("causal")
     for name in ("batch_size", "max_steps", "max_length"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))

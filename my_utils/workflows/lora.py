@@ -100,14 +100,12 @@ class Config(RunSettings):
 def validate(cfg: Config):
     """Check the settings before anything starts (nothing heavy is imported, nothing is written); returns the
     preset. Files are checked next, by ``load_inputs``, also before the results folder is touched."""
-    from my_utils.core.presets import get_preset
     from my_utils.run.checkpoints import find_resume_checkpoint
     from my_utils.run.config import check_choice, check_positive
     from my_utils.run.launch import check_process_count
     from my_utils.run.lifecycle import check_resumable
-    from my_utils.run.results import check_can_create, check_new_run_dir
 
-    preset = get_preset(cfg.preset)
+    preset = cfg.check_common()
     preset.require("causal")
     check_choice("method", cfg.method, METHODS)
     check_choice("quantization", cfg.quantize, QUANTIZE_CHOICES)
@@ -138,9 +136,6 @@ def validate(cfg: Config):
         resolved = resolve(cfg, preset, cfg.num_processes or 1)
         check_resumable(cfg.output_dir, asdict(resolved), may_differ=RESUME_MAY_DIFFER)
         find_resume_checkpoint(Path(cfg.output_dir) / CHECKPOINTS)  # one sentence now if there is none
-    elif cfg.output_dir:
-        check_new_run_dir(cfg.output_dir)
-        check_can_create(cfg.output_dir)
     if cfg.mixed_precision == "fp16":
         from my_utils.run.launch import is_cpu_only
 
@@ -204,7 +199,7 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
             raise UserError(f"max_length {cfg.max_length} is longer than the model allows ({limit}); "
                             f"use --max-length {limit}.")
         if cfg.adapter is not None:
-            check_lora_targets(model, cfg.adapter.targets)
+            check_lora_targets(model, cfg.adapter.targets, cfg.adapter.rank)
     tokenizer = load_tokenizer(preset, trust_remote_code=cfg.trust_remote_code)
     train_rows, eval_rows = load_instructions(preset.instruction_data, eval_rows=cfg.eval_rows, seed=cfg.seed,
                                               path=cfg.data_file)
@@ -263,7 +258,8 @@ def train(cfg: Config) -> dict:
         counter = TokenCounter(padding_collator(tokenizer), tokenizer=tokenizer, preview_batches=1)
         memory_cb, metrics_cb = make_callbacks(life.run, device)
         reliability = reliability_callbacks(world_size)  # checkpoint manifests, SIGTERM stop, fault injection
-        callbacks = [memory_cb, metrics_cb, _count_from_train_begin(counter, life.run), *reliability.values()]
+        callbacks = [_stop_if_already_trained(), memory_cb, metrics_cb, _count_from_train_begin(counter, life.run),
+                     *reliability.values()]
         Trainer = course_trainer_class()  # transformers' Trainer; its evaluation sees every row
         trainer = Trainer(model=model, args=training_arguments(cfg, life.folder, learning_rate),
                           train_dataset=inputs["train_set"], eval_dataset=inputs["eval_set"],
@@ -331,14 +327,39 @@ def training_arguments(cfg: Config, folder: Path, learning_rate: float):
     )
 
 
+class _AlreadyTrained(Exception):
+    """Raised as training begins when the checkpoint resumed from is the run's last step."""
+
+
+def _stop_if_already_trained():
+    """A callback that ends ``train()`` before its first step when the resumed checkpoint is the last step (a run
+    preempted in its final evaluation): weights, optimizer and log are loaded by then, and the Trainer would
+    otherwise take one step past max_steps before it looks."""
+    from transformers import TrainerCallback
+
+    class StopIfAlreadyTrained(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.global_step >= state.max_steps:
+                raise _AlreadyTrained
+
+    return StopIfAlreadyTrained()
+
+
 def _fit(trainer, checkpoint, stop, world_size: int, timeout_s: float):
-    """``trainer.train()`` (from ``checkpoint`` when resuming); a rank that stopped is named, and a SIGTERM stop
-    (with its checkpoint) becomes KeyboardInterrupt. Returns the result and the seconds it took."""
+    """``trainer.train()`` (from ``checkpoint`` when resuming; nothing left to train when it is the last step); a
+    rank that stopped is named, and a SIGTERM stop (with its checkpoint) becomes KeyboardInterrupt. Returns the
+    result and the seconds it took."""
+    from transformers.trainer_utils import TrainOutput
+
+    from my_utils.core.printing import print0
     from my_utils.run.faults import name_stopped_ranks
 
     started = time.perf_counter()
     try:
         result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    except _AlreadyTrained:
+        print0(f"{checkpoint.name} is the last step: evaluating and finishing the run without training further")
+        return TrainOutput(trainer.state.global_step, None, {}), 0.0
     except Exception as e:
         failure = name_stopped_ranks(e, world_size, timeout_s, step=trainer.state.global_step)
         if failure is None:
@@ -381,6 +402,7 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     steps = result.global_step
     start_step = int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else 0
+    trained = steps > start_step
     settled_batch = trainer.state.train_batch_size or cfg.batch_size  # smaller after an --auto-batch-size retry
     effective_batch = settled_batch * cfg.grad_accum * world_size
     adapter = asdict(cfg.adapter) if cfg.adapter is not None else None
@@ -417,18 +439,20 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
         "similarity_scorer": SIMILARITY_SCORER,
         "examples_after": after.get("examples"),
         # runtime and throughput of this process's training (after a resume: the resumed part)
-        "runtime_s": runtime,
-        "samples_per_s": (steps - start_step) * effective_batch / runtime,
+        # (none when a resume found the last step already taken)
+        "runtime_s": runtime if trained else None,
+        "samples_per_s": (steps - start_step) * effective_batch / runtime if trained else None,
         # the same per CPU second of the busiest process: steadier than wall-clock on a shared machine
-        "samples_per_cpu_s": (steps - start_step) * effective_batch / max(r["cpu_s"] for r in memory),
-        "tokens_per_s": measured["tokens"] / runtime,
+        "samples_per_cpu_s": (steps - start_step) * effective_batch / max(r["cpu_s"] for r in memory) if trained
+        else None,
+        "tokens_per_s": measured["tokens"] / runtime if trained else None,
         "trainable_params": measured["params"]["trainable"],
         "total_params": measured["params"]["total"],
         "adapter_bytes": adapter_bytes,
         "quantization": _quantization(trainer.model),
         "first_batches": measured["first_batches"],
         "memory": memory,
-        "peak_memory_bytes": max(peak_bytes(r["end"]) for r in memory),
+        "peak_memory_bytes": max(peak_bytes(r["end"]) for r in memory) if trained else None,
     }
 
 

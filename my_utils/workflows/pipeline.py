@@ -47,10 +47,9 @@ class Config(RunSettings):
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
-    from my_utils.core.presets import get_preset
     from my_utils.run.config import check_choice, check_positive
 
-    preset = get_preset(cfg.preset)
+    preset = cfg.check_common()
     check_choice("mode", cfg.mode, MODES)
     check_choice("schedule", cfg.schedule, SCHEDULES)
     for name in ("microbatches", "batch_size", "max_length", "max_steps"):

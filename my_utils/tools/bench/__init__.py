@@ -28,6 +28,7 @@ import argparse
 import sys
 import textwrap
 from dataclasses import fields
+from pathlib import Path
 
 from my_utils import UserError
 from my_utils.tools.bench.flops import model_flops_per_token
@@ -60,6 +61,7 @@ def parse_args(argv=None) -> tuple[list[str], Settings]:
     from my_utils.core.devices import native_bf16
     from my_utils.core.presets import get_preset
     from my_utils.run.config import check_positive
+    from my_utils.run.results import check_outside_runs
 
     args = _parser().parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
@@ -77,13 +79,18 @@ def parse_args(argv=None) -> tuple[list[str], Settings]:
     bf16 = native_bf16() if args.precision == "auto" else args.precision == "bf16"
     for name in (args.preset, args.memory_preset, args.qlora_preset):
         get_preset(name).require("causal")
+    if not args.output_root.strip() or Path(args.output_root).is_file():
+        raise UserError(f"--output-root {args.output_root!r} is not a folder; name the folder for the results.")
+    check_outside_runs(args.output_root)
     settings = Settings(**{f.name: getattr(args, f.name) for f in fields(Settings) if hasattr(args, f.name)}, bf16=bf16)
     return list(dict.fromkeys(args.names or BENCHMARKS)), (quick_settings(settings) if args.quick else settings)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m my_utils bench", description=__doc__, epilog=listing(),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from my_utils.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m my_utils bench", description=__doc__, epilog=listing(),
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default all): {', '.join(BENCHMARKS)}")
     defaults = Settings()
     p.add_argument("--quick", action="store_true", help="a smoke run: few steps, one repeat, the tiny model")

@@ -237,7 +237,8 @@ def run_benchmark(name: str, s: Settings, argv: list[str]) -> tuple[Path, list[d
 
     folder = unique_dir(Path(s.output_root) / name)
     record = Run.create(folder, config=asdict(s), command=["python", "-m", "my_utils", "bench", *argv],
-                        benchmark=name, load_average_before=os.getloadavg(), devices=device_inventory())
+                        benchmark=name, load_average_before=os.getloadavg(), devices=device_inventory(),
+                        holds_runs=True)  # its measurements are results folders of their own, inside it
     with recorded(record):
         result, rows = benchmarks()[name].run(s, folder)
         record.update(load_average_after=os.getloadavg())

@@ -7,7 +7,6 @@ Also the token-and-time windows both this loop and the LoRA workflow (``course.p
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from dataclasses import asdict, dataclass, fields
@@ -175,7 +174,9 @@ def window_end(start: dict, counter) -> dict:
 
 def loop_main(argv) -> None:
     """``run-loop``: the bare accelerate + peft loop, into a results folder."""
-    p = argparse.ArgumentParser(prog="python -m my_utils bench run-loop", description=bare_loop.__doc__)
+    from my_utils.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m my_utils bench run-loop", description=bare_loop.__doc__)
     _add_fields(p, LoopConfig, choices={"method": ("lora", "full"), "sampling": ("random", "group_by_length")})
     p.add_argument("--output-dir", required=True)
     args = p.parse_args(argv)

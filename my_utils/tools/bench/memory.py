@@ -9,7 +9,6 @@ weights against bf16 on the opt-350m architecture, <= 0.35.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -74,7 +73,9 @@ def _measured_steps(s: Settings, folder: Path, env: dict) -> dict:
 
 def step_main(argv) -> None:
     """``run-step``: one measured training step (memory and time) in this fresh process, into a results folder."""
-    p = argparse.ArgumentParser(prog="python -m my_utils bench run-step", description=measured_step.__doc__)
+    from my_utils.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m my_utils bench run-step", description=measured_step.__doc__)
     p.add_argument("--preset", default="gpt2", help="architecture, built with random weights from its config")
     p.add_argument("--method", choices=("lora", "full"), default="lora")
     p.add_argument("--batch-size", type=int, default=4)

@@ -7,7 +7,6 @@ fine-tuning loops (``run-loop``'s) on blocks of random tokens (FLOPs do not depe
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -44,7 +43,9 @@ def run(s: Settings, folder: Path):
 
 def mfu_main(argv) -> None:
     """``run-mfu``: the matmul peak, LoRA and full fine-tuning loops on random-token blocks, the peak again."""
-    p = argparse.ArgumentParser(prog="python -m my_utils bench run-mfu", description=mfu_main.__doc__)
+    from my_utils.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m my_utils bench run-mfu", description=mfu_main.__doc__)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=20, help=f"timed steps of each loop (after {WARMUP_STEPS} warm-up steps)")

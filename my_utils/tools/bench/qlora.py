@@ -231,8 +231,10 @@ def qlora_main(argv) -> None:
     from my_utils.run.lifecycle import recorded
     from my_utils.run.results import Run, check_new_run_dir, unique_dir
 
-    p = argparse.ArgumentParser(prog="python -m my_utils bench run-qlora", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    from my_utils.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m my_utils bench run-qlora", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="opt-350m", help="preset whose architecture is built (random weights)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.add_argument("--output-dir", default=None, help="results folder (must not exist); default: a new one under "

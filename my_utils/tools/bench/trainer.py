@@ -8,7 +8,6 @@ batches in the same order on both sides) the logged training losses within 10 %.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from statistics import median
@@ -78,7 +77,9 @@ def useful_fraction(runs: list[dict]) -> float:
 def sft_main(argv) -> None:
     """``run-sft``: stock trl SFTTrainer (SFTConfig's defaults) on the workflow's model, data, batch, steps and
     learning-rate schedule, with LoRA from the same function; training time and tokens measured as the workflow's."""
-    p = argparse.ArgumentParser(prog="python -m my_utils bench run-sft", description=sft_main.__doc__)
+    from my_utils.run.config import OneLineParser
+
+    p = OneLineParser(prog="python -m my_utils bench run-sft", description=sft_main.__doc__)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--steps", type=int, default=40)
