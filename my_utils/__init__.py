@@ -1,13 +1,23 @@
 """Helpers for the fine-tuning course.
 
-Importing this package is cheap and side-effect free: it imports no torch-heavy training libraries
-(peft, trl, bitsandbytes, ``transformers.Trainer``) and never touches CUDA. Import the submodules you need::
+Importing this package is cheap: it imports no torch-heavy training libraries (peft, trl, bitsandbytes,
+``transformers.Trainer``), never touches CUDA, and only hides three library notices (below). Import the
+submodules you need::
 
     from my_utils.core.printing import print0, rank_print
-    from my_utils.run.results import create_run
+    from my_utils.run.results import Run
 """
 
+import warnings
+
 __version__ = "0.1.0"
+
+# Notices from inside the libraries that a reader of the course can do nothing about (the calls are the
+# libraries' own); hidden here so that they do not bury the lessons' output. tqdm's: without ipywidgets it draws
+# text progress bars, which is what the course wants.
+for _notice in (r"`is_gradient_checkpointing` is deprecated", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                r"IProgress not found"):
+    warnings.filterwarnings("ignore", message=_notice)
 
 
 class UserError(ValueError):

@@ -457,3 +457,16 @@ def test_a_results_folder_whose_run_json_cannot_be_written_is_removed_again(tmp_
     with pytest.raises(OSError, match="No space left"):
         Run.create(tmp_path / "run", config={})
     assert not (tmp_path / "run").exists()  # an empty folder would block the retry
+
+
+def test_a_tokenizer_without_an_end_of_sequence_token_is_one_sentence(monkeypatch):
+    import transformers
+
+    from my_utils.core.models import load_tokenizer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(get_preset("tiny").require("causal"))
+    tokenizer.eos_token = None
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: tokenizer)
+    with pytest.raises(UserError, match="has no end-of-sequence token") as e:
+        load_tokenizer(get_preset("tiny"))
+    assert_one_sentence(str(e.value))

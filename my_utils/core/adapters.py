@@ -54,11 +54,12 @@ class AdapterSpec:
         alpha = self.alpha if self.alpha is not None else 2 * self.rank
         return alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
-    def lora_config(self, task_type: str, modules_to_save=None):
-        """peft's ``LoraConfig`` for this spec (resolve it first)."""
+    def lora_config(self, task_type: str, modules_to_save=None, fan_in_fan_out: bool = False):
+        """peft's ``LoraConfig`` for this spec (resolve it first). ``fan_in_fan_out``: the adapted layers store
+        their weight as (in, out), as GPT-2's Conv1D does."""
         from peft import LoraConfig
 
         targets = ALL_LINEAR if self.targets == (ALL_LINEAR,) else list(self.targets)
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=self.dropout,
                           bias="none", task_type=task_type, modules_to_save=modules_to_save,
-                          use_rslora=self.rslora, use_dora=self.dora)
+                          use_rslora=self.rslora, use_dora=self.dora, fan_in_fan_out=fan_in_fan_out)

@@ -159,7 +159,10 @@ def add_lora(model, spec: AdapterSpec, task_type: str = "CAUSAL_LM", modules_to_
 
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    return get_peft_model(model, spec.lora_config(task_type, modules_to_save))
+    # GPT-2's Conv1D layers store weights as (in, out); saying so spares peft's warning that it corrected this
+    conv1d = any(type(module).__name__ == "Conv1D" and (ALL_LINEAR in spec.targets or name.rsplit(".", 1)[-1] in
+                                                         spec.targets) for name, module in model.named_modules())
+    return get_peft_model(model, spec.lora_config(task_type, modules_to_save, fan_in_fan_out=conv1d))
 
 
 def count_parameters(model) -> dict:

@@ -131,17 +131,24 @@ def launch(function, *args, num_processes: int = 1, port: int | None = None):
         return function(*args)
     from accelerate import notebook_launcher
 
-    previous = os.environ.get("ACCELERATE_USE_CPU")
+    from my_utils.core.devices import usable_cores
+
+    # The workers inherit these. Threads: the usable cores shared out (accelerate would otherwise pick a count
+    # itself, from the physical cores, and warn that it did).
+    settings = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, usable_cores() // num_processes))}
     if is_cpu_only():
-        os.environ["ACCELERATE_USE_CPU"] = "1"
+        settings["ACCELERATE_USE_CPU"] = "1"
+    previous = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
     try:
         return notebook_launcher(_then_end_process_group(function), args=args, num_processes=num_processes,
                                  use_port=str(_port(port)))
     finally:
-        if previous is None:
-            os.environ.pop("ACCELERATE_USE_CPU", None)
-        else:
-            os.environ["ACCELERATE_USE_CPU"] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def check_world_size(expected: int | None = None, timeout_s: float | None = None) -> int:
