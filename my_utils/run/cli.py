@@ -44,11 +44,11 @@ def end_process_group() -> None:
 
 
 def exit_skipping_teardown() -> None:
-    """End a finished pipeline worker at once (``os._exit(0)`` after flushing its output).
+    """End a finished worker at once (``os._exit(0)`` after flushing its output).
 
-    Even with its process group destroyed, a process that ran ``torch.distributed.pipelining`` over gloo sometimes
-    aborts in C++ teardown at interpreter exit ("terminate called without an active exception", about one launch in
-    twenty), after its results are written; the launcher then reports the job as failed. Everything the worker
+    Even with its process group destroyed, a process that ran ``torch.distributed.pipelining`` or DDP over gloo
+    (the pipeline, classification and ddp workflows) sometimes aborts in C++ teardown at interpreter exit
+    ("terminate called without an active exception"), after its results are written; the launcher then reports the job as failed. Everything the worker
     writes is closed by then, so there is nothing left for that teardown to do.
     """
     sys.stdout.flush()

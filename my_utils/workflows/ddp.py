@@ -238,4 +238,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    from my_utils.run.cli import exit_skipping_teardown
+
     main()
+    exit_skipping_teardown()
