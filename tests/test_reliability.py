@@ -1,6 +1,6 @@
 """Faults a run survives, rehearsed on the tiny preset: a crash and a resume that reproduces the uninterrupted
 run's per-step losses exactly (1 and 2 processes), a checkpoint cut short, SIGTERM under accelerate launch, a
-rank that exits or hangs, out of memory, a results file whose rename fails, and no network at all.
+rank that exits or is stopped (SIGSTOP), out of memory, a results file whose rename fails, and no network at all.
 
 Faults are injected through the COURSE_* variables documented in my_utils/run/faults.py, or through a
 sitecustomize module put first on PYTHONPATH (a socket guard, a failing rename).
@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -279,19 +280,39 @@ def test_rank_exit_ends_the_job_naming_it_and_a_resume_reproduces_the_losses(two
 
 
 @pytest.mark.slow
-def test_a_hung_rank_ends_the_job_within_the_timeout_naming_it(tmp_path):
-    out = tmp_path / "hung"
-    started = time.monotonic()
-    # torch's default would wait 30 minutes; subprocess.run's timeout is the bound this test asserts
-    proc = lora([*ARGS, "--eval-rows", "6", "--skip-generation-eval", "--timeout-s", "8", "--output-dir", out],
-                env_for(tmp_path, COURSE_CRASH_AT_STEP=2, COURSE_CRASH_RANK=1, COURSE_CRASH_MODE="hang"),
-                processes=2, timeout=180)
-    assert proc.returncode != 0, tail(proc)
+def test_a_stopped_rank_ends_the_job_within_the_timeout_and_every_message_names_it(tmp_path):
+    out, timeout_s = tmp_path / "stopped", 8
+    cmd = accelerate_command("my_utils.workflows.lora", [*ARGS, "--eval-rows", "6", "--skip-generation-eval",
+                                                         "--timeout-s", timeout_s, "--output-dir", out],
+                             num_processes=2, config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
+    # rank 1 sends itself SIGSTOP after step 2: alive, but deaf even to the launcher's SIGTERM
+    env = env_for(tmp_path, COURSE_CRASH_AT_STEP=2, COURSE_CRASH_RANK=1, COURSE_CRASH_MODE="stop")
+    launcher = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    guard = threading.Timer(180, launcher.kill)  # torch's default would wait 30 minutes: bound a failing test
+    guard.start()
+    lines, stopped_at = [], None
+    for line in launcher.stdout:
+        lines.append(line)
+        if "fault injection: stop" in line:
+            stopped_at = time.monotonic()
+    launcher.wait()
+    guard.cancel()
+    output = "".join(lines)
+    assert launcher.returncode != 0 and stopped_at is not None, output[-3000:]
+    took = time.monotonic() - stopped_at
+    # the collective's timeout, the 3 s in which live ranks report, and the end of the job: not torch's 30 s wait
+    # for a process that ignores SIGTERM
+    assert took < timeout_s + 12, f"the job ended {took:.0f} s after rank 1 stopped\n{output[-3000:]}"
     info = run_info(out)
     assert info["status"] == "failed"
     assert info["error"].startswith("RankFailure: rank 1 stopped"), info["error"]
-    assert "--timeout-s 8" in info["error"]
-    print(f"hung rank: the job ended {time.monotonic() - started:.0f} s after it started")
+    assert f"--timeout-s {timeout_s}" in info["error"]
+    # the same rank on stderr (one line: the only traceback is the launcher's own) and as its root cause
+    assert "lora: error: rank 1 stopped" in output and output.count("Traceback (most recent call last)") == 1
+    root_cause = output.split("Root Cause")[1]
+    assert "rank      : 1 " in root_cause and "SIGKILL" in root_cause, root_cause
+    print(f"stopped rank: the job ended {took:.0f} s after rank 1 stopped (--timeout-s {timeout_s})")
 
 
 @pytest.mark.slow

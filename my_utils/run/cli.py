@@ -7,6 +7,7 @@ import os
 import sys
 
 from my_utils import UserError
+from my_utils.run.faults import RankFailure
 
 
 def format_summary(summary: dict) -> str:
@@ -17,7 +18,8 @@ def format_summary(summary: dict) -> str:
 
 
 def run_main(body, prefix: str = "my_utils"):
-    """Run ``body()``; print its summary on rank 0; turn UserError into a one-line message and exit 2."""
+    """Run ``body()``; print its summary on rank 0; turn UserError into a one-line message and exit 2, and a
+    stopped rank (RankFailure, already recorded in the run) into a one-line message and exit 1."""
     from my_utils.core.printing import print0
 
     try:
@@ -25,6 +27,11 @@ def run_main(body, prefix: str = "my_utils"):
     except UserError as e:
         print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except RankFailure as e:
+        # A fault, not a bug: one line, and the stopped rank ends first, so the launcher names it too.
+        print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
+        e.end_stopped_ranks()
+        raise SystemExit(1) from None
     end_process_group()
     if isinstance(summary, dict):
         print0(format_summary(summary))

@@ -1,7 +1,9 @@
 """What a run survives, and how the tests provoke it:
 
-- a rank that dies or hangs: collectives time out after ``--timeout-s`` and the error names the rank that
-  stopped (the live ranks say so in the process group's store; the silent one is named, ``name_stopped_ranks``);
+- a rank that dies, hangs or is stopped (SIGSTOP): collectives time out after ``--timeout-s`` and the error names
+  the rank that stopped (the live ranks say so in the process group's store; the silent one is named,
+  ``name_stopped_ranks``); a stopped rank on this machine is then killed (``RankFailure.end_stopped_ranks``), so
+  that the job ends at once and the launcher names the same rank;
 - the Trainer-facing parts, ``reliability_callbacks`` (checkpoint manifests, a clean stop on SIGTERM) and
   ``course_trainer_class``; transformers is imported inside them, so importing this module stays light;
 - fault injection for the tests (environment variables, unset in normal runs)::
@@ -9,7 +11,7 @@
       COURSE_CRASH_AT_STEP=k     crash at the end of optimizer step k
       COURSE_CRASH_RANK=r        ... on rank r only (default: every rank)
       COURSE_CRASH_MODE=m        raise (an exception, default) | exit (os._exit(1), no clean-up) |
-                                 hang (stop responding until killed)
+                                 stop (SIGSTOP to itself: alive, but deaf even to SIGTERM, until killed)
       COURSE_STEP_DELAY_S=s      sleep s seconds after every step (time for a test to send a signal)
       COURSE_FAKE_OOM_ABOVE=n    raise torch.OutOfMemoryError in a training forward with more than n rows
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,15 +36,53 @@ CRASH_RANK = "COURSE_CRASH_RANK"
 CRASH_MODE = "COURSE_CRASH_MODE"
 STEP_DELAY = "COURSE_STEP_DELAY_S"
 FAKE_OOM_ABOVE = "COURSE_FAKE_OOM_ABOVE"
-CRASH_MODES = ("raise", "exit", "hang")
+CRASH_MODES = ("raise", "exit", "stop")
 FAILED_KEY = "course/collective_failed/{rank}"  # in the process group's store
+PROCESS_KEY = "course/process/{rank}"  # "host pid" of each rank, written when it joins
 
 
 # ---------------------------------------------------------------------------------------------- ranks
 
 
 class RankFailure(RuntimeError):
-    """Another rank stopped (exited or hung) and a collective on this rank failed or timed out."""
+    """Another rank stopped (exited, hung or was stopped) and a collective on this rank failed or timed out.
+
+    ``stopped`` holds the ranks named, ``processes`` the process ids of those among them on this machine.
+    """
+
+    def __init__(self, message: str, stopped: list[int] = (), processes: list[int] = ()):
+        super().__init__(message)
+        self.stopped, self.processes = list(stopped), list(processes)
+
+    def end_stopped_ranks(self, wait_s: float = 5.0) -> None:
+        """Kill the stopped ranks on this machine and wait (at most ``wait_s``) until they are gone.
+
+        A stopped or hung process ignores the SIGTERM a launcher sends first, and torch's launcher waits 30 s
+        before it kills; its report also names as root cause the first failure it sees. Killed here, before this
+        rank exits, the stopped rank is that first failure and the job ends now. Call it after the run is
+        recorded as failed.
+        """
+        for pid in self.processes:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait_s
+        waiting = self.processes
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.05)
+            waiting = [pid for pid in waiting if _exists(pid)]
+
+
+def _exists(pid: int) -> bool:
+    """Whether process ``pid`` exists (a killed one does until its parent, the launcher, collects it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        pass
+    return True
 
 
 def _store():
@@ -54,6 +95,27 @@ def _store():
         return dist.distributed_c10d._get_default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
+
+
+def announce_process() -> None:
+    """Inside a worker of a several-process group: write this process's host and id to the group's store, so
+    that the other ranks can end it if it stops responding (``RankFailure.end_stopped_ranks``)."""
+    import torch.distributed as dist
+
+    store = _store()
+    if store is not None:
+        store.set(PROCESS_KEY.format(rank=dist.get_rank()), f"{socket.gethostname()} {os.getpid()}")
+
+
+def _processes_here(store, ranks: list[int]) -> list[int]:
+    """The process ids of those of ``ranks`` that run on this machine (as they announced them)."""
+    pids = []
+    for rank in ranks:
+        if store.check([PROCESS_KEY.format(rank=rank)]):
+            host, pid = store.get(PROCESS_KEY.format(rank=rank)).decode().split()
+            if host == socket.gethostname() and int(pid) != os.getpid():
+                pids.append(int(pid))
+    return pids
 
 
 def _looks_like_a_failed_collective(error: BaseException) -> bool:
@@ -78,7 +140,7 @@ def name_stopped_ranks(error: BaseException, world_size: int, timeout_s: float, 
 
     store = _store()
     here = dist.get_rank()
-    stopped = None
+    stopped, processes = None, []
     if store is not None:
         try:
             store.set(FAILED_KEY.format(rank=here), "1")
@@ -88,6 +150,7 @@ def name_stopped_ranks(error: BaseException, world_size: int, timeout_s: float, 
                 if not stopped or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
+            processes = _processes_here(store, stopped)
         except Exception:  # the store went with the process that hosted it: nothing more to learn
             stopped = None
     where = f" after step {step}" if step is not None else ""
@@ -98,7 +161,7 @@ def name_stopped_ranks(error: BaseException, world_size: int, timeout_s: float, 
     text = str(error).strip()
     first_line = text.splitlines()[0][:300] if text else type(error).__name__
     return RankFailure(f"{who}: rank {here} waited for it in a collective{where} that failed or timed out "
-                       f"(--timeout-s {timeout_s:g}): {first_line}")
+                       f"(--timeout-s {timeout_s:g}): {first_line}", stopped or [], processes)
 
 
 # ---------------------------------------------------------------------------------------------- Trainer parts
@@ -231,10 +294,8 @@ def reliability_callbacks(world_size: int = 1) -> dict:
             print(f"fault injection: {faults['mode']} {where}", file=sys.stderr, flush=True)
             if faults["mode"] == "exit":
                 os._exit(1)
-            if faults["mode"] == "hang":
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # unresponsive: only killing it ends it
-                while True:
-                    time.sleep(60)
+            if faults["mode"] == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             raise RuntimeError(f"injected crash {where}")
 
     callbacks = {"manifest": CheckpointManifest(), "stop": StopOnSigterm()}

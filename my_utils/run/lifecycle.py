@@ -206,10 +206,13 @@ def recorded(run: Run | None):
 def join_world(num_processes: int | None, timeout_s: float | None = None) -> int:
     """Inside every worker, first: the world size this process belongs to, checked against what the launch
     asked for (the CPU trap: unsynchronised copies), and the processes on this machine against its cores."""
+    from my_utils.run.faults import announce_process
     from my_utils.run.launch import check_process_count, check_world_size
 
     world_size = check_world_size(num_processes, timeout_s=timeout_s)
     check_process_count(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if world_size > 1:
+        announce_process()
     return world_size
 
 

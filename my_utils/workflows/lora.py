@@ -18,7 +18,8 @@ The adapter's flags (``--rank --alpha --targets --dropout --rslora --dora``) are
 
 Checkpoints and resuming (the same results folder continues; its losses match an uninterrupted run). A crash
 resumes from the newest whole checkpoint; a SIGTERM (a scheduler preempting the job) stops every rank at the
-end of the current step with a checkpoint; a rank that dies or hangs ends the job within --timeout-s, named:
+end of the current step with a checkpoint; a rank that dies, hangs or is stopped ends the job soon after
+--timeout-s, named:
 
     python -m my_utils.workflows.lora --preset tiny --save-steps 20 --output-dir runs/lora/mine
     python -m my_utils.workflows.lora --preset tiny --save-steps 20 --output-dir runs/lora/mine --resume
