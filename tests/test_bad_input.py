@@ -377,6 +377,7 @@ def test_the_secret_redactor_leaves_ordinary_words_and_file_names_alone():
 
 # Hostile inputs to every command, run in this process as the shell runs them: (command, arguments, what the one
 # sentence says). "{tmp}" is the test's folder (files below), "{run}" a complete results folder inside it.
+TOKEN = "hf_" + "Zq8" * 10  # token-shaped
 HOSTILE = [
     ("lora", ["--output-dir", "{run}/adapter"], "is inside the results folder .*; choose an --output-dir outside"),
     ("lora", ["--output-dir", ""], "--output-dir is empty; name a new folder"),
@@ -386,6 +387,9 @@ HOSTILE = [
     ("lora", ["--data-file", "{tmp}/folder.jsonl"], "is a folder; give the path of a JSON-lines file inside it"),
     ("lora", ["--data-file", "{tmp}/one_row.jsonl"], "has 1 row; it needs at least 2"),
     ("lora", ["--seed", "-1"], "--seed must be an integer from 0 to 2\\*\\*32 - 1, got -1"),
+    # a secret in a refused value or path is not echoed
+    ("lora", ["--data-file", "{tmp}/" + TOKEN + "/rows.jsonl"], "Data file .*/<redacted>/rows.jsonl does not exist"),
+    ("lora", ["--seed", TOKEN], "argument --seed: invalid int value: '<redacted>'"),
     ("lora", ["--max-length", "100000000"], "max_length 100000000 is longer than the model allows \\(256\\)"),
     ("plan", ["--memory", "0"], "The memory size '0' is not positive"),
     ("plan", ["--memory=-5GiB"], "Cannot read the memory size '-5GiB'"),

@@ -8,6 +8,7 @@ import sys
 
 from my_utils import UserError
 from my_utils.run.faults import RankFailure
+from my_utils.run.results import redact_secrets
 
 
 def format_summary(summary: dict) -> str:
@@ -24,8 +25,8 @@ def run_main(body, prefix: str = "my_utils"):
 
     try:
         summary = body()
-    except UserError as e:
-        print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
+    except UserError as e:  # it may quote a path or a value that holds a secret
+        print(f"{prefix}: error: {redact_secrets(str(e))}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except RankFailure as e:
         # A fault, not a bug: one line, and the stopped rank ends first, so the launcher names it too.

@@ -125,10 +125,13 @@ class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse with a bad option reported in one line (what is wrong, where to look), not the whole usage."""
+    """argparse with a bad option reported in one line (what is wrong, where to look), not the whole usage; a
+    secret in the value it quotes is redacted."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}; see --help.\n")
+        from my_utils.run.results import redact_secrets
+
+        self.exit(2, f"{self.prog}: error: {redact_secrets(message)}; see --help.\n")
 
 
 def config_parser(cls, prog: str, description: str) -> argparse.ArgumentParser:
