@@ -106,13 +106,16 @@ def test_unreadable_and_summaryless_folders_are_listed(tmp_path):
     fake_run(tmp_path / "ok")
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "run.json").write_text('{"status": "compl')
+    (tmp_path / "a_list").mkdir()
+    (tmp_path / "a_list" / "run.json").write_text('[1, 2]')
     run = fake_run(tmp_path / "no_summary", finish=False)
     run.update(status="complete")
     Run.create(tmp_path / "demo", config={}).finish({"notebook_seconds": {"00_setup.ipynb": 3.0}})
     c = compare.compare(tmp_path)
     assert [c.labels[r["path"]] for r in c.runs] == ["ok"]
-    assert dict(c.left_out) == {"broken": "unreadable (JSONDecodeError)", "no_summary": "complete, but no summary.json",
-                                "demo": "complete, no training figures"}
+    assert dict(c.left_out) == {"broken": "unreadable: run.json is not valid JSON (line 1, column 12)",
+                                "a_list": "unreadable: run.json holds no JSON object",
+                                "no_summary": "complete, but no summary.json", "demo": "complete, no training figures"}
 
 
 def test_markdown_and_output_folder(results, tmp_path):

@@ -329,15 +329,24 @@ def load_run(path: str | Path) -> dict:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:  # a line cut by a crash
                 continue
-    info = read_json(path / "run.json")
-    if not isinstance(info, dict):
-        raise ValueError(f"{path / 'run.json'} holds no JSON object")
+    info = _read_object(path / "run.json")
     return {
         "path": str(path),
         "run": {**info, "status": current_status(info)},
-        "summary": read_json(summary) if summary.is_file() else None,
+        "summary": _read_object(summary) if summary.is_file() else None,
         "metrics": rows,
     }
+
+
+def _read_object(path: Path) -> dict:
+    """The JSON object in ``path``; ValueError naming the file and what is wrong with it otherwise."""
+    try:
+        obj = read_json(path)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path.name} is not valid JSON (line {e.lineno}, column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path.name} holds no JSON object")
+    return obj
 
 
 def lesson_dir(lesson: str) -> Path:

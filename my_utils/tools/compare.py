@@ -65,9 +65,9 @@ def load_runs(*paths) -> tuple[list[dict], list[dict]]:
     for d in find_run_dirs(*paths):
         try:
             run = load_run(d)
-        except (OSError, ValueError) as e:  # a run.json or summary.json that is not valid JSON
+        except (OSError, ValueError) as e:  # a run.json or summary.json that is not a JSON object
             other.append({"path": str(d), "run": {}, "summary": None, "metrics": [],
-                          "reason": f"unreadable ({type(e).__name__})"})
+                          "reason": f"unreadable: {e.strerror if isinstance(e, OSError) else e}"})
             continue
         status = run["run"].get("status")
         summary = run["summary"] if isinstance(run["summary"], dict) else {}
