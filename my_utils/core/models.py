@@ -69,8 +69,8 @@ def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str 
         config = AutoConfig.from_pretrained(preset.offline_config["causal"], trust_remote_code=trust_remote_code)
         if qconfig is not None:
             raise UserError("Quantization needs pretrained weights; drop --random-init or use --quantize none.")
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-        return model
+        return name_causal_lm_loss(AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                                    trust_remote_code=trust_remote_code))
     kwargs = {"dtype": dtype} if dtype is not None else {}
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
@@ -80,6 +80,15 @@ def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str 
     model = AutoModelForCausalLM.from_pretrained(model_id, trust_remote_code=trust_remote_code, **kwargs)
     if quantize == "4bit":
         keep_4bit_weights_trainable(model)
+    return name_causal_lm_loss(model)
+
+
+def name_causal_lm_loss(model):
+    """``model`` with its loss named: transformers reads the loss from the class name, and GPT-2's
+    (``GPT2LMHeadModel``) names none, so every forward with labels warned "`loss_type=None` ... Using the default
+    loss: `ForCausalLMLoss`". That default is GPT-2's loss; naming it changes nothing else."""
+    if getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"
     return model
 
 
