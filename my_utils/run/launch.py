@@ -229,9 +229,11 @@ def run_command(cmd: list[str], *, env: dict | None = None, echo: bool = True) -
 
     The output is passed through as it comes, carriage returns included, so a progress bar redraws in place
     (in a terminal and in a notebook) instead of printing one line per update."""
-    if echo:
-        print("$", " ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd)), flush=True)
-    proc = subprocess.Popen(cmd, env=env or clean_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+    env = env or clean_env()
+    if echo:  # as a shell would take it, with the variable that decides whether a CPU launch is distributed
+        shown = ["ACCELERATE_USE_CPU=1"] if env.get("ACCELERATE_USE_CPU") == "1" else []
+        print("$", " ".join([*shown, *(Path(c).name if i == 0 else c for i, c in enumerate(cmd))]), flush=True)
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     chunks = []

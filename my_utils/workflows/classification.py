@@ -1,9 +1,9 @@
 """Sentence classification with full fine-tuning or LoRA, on one device, data parallel (DDP) or pipeline parallel.
 
     python -m my_utils.workflows.classification --preset tiny --method lora                 # one process
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.classification \\
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.classification \\
         --preset tiny --method full --parallel ddp --batch-size 8                           # 2 processes, DDP
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.classification \\
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.classification \\
         --preset tiny --method lora --parallel pipeline                                     # 2 pipeline stages
     accelerate launch --config_file configs/multi_gpu.yaml -m my_utils.workflows.classification \\
         --preset roberta-large --method full --parallel ddp                                 # GPUs
@@ -375,8 +375,8 @@ def summarize(cfg: Config, world_size: int, reports: list, history: list, params
 
 
 DESCRIPTION = ("Full fine-tuning or LoRA of a sentence classifier, on one process, with DDP or as a 2-stage pipeline. "
-               "Launch DDP and pipeline runs with `accelerate launch --config_file configs/cpu_x2.yaml -m "
-               "my_utils.workflows.classification ...`. Writes a results folder and prints its summary.")
+               "Launch DDP and pipeline runs with `ACCELERATE_USE_CPU=1 accelerate launch --config_file "
+               "configs/cpu_x2.yaml -m my_utils.workflows.classification ...`. Writes a results folder and prints its summary.")
 
 
 def parse_args(argv=None) -> Config:

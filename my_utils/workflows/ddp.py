@@ -9,7 +9,7 @@ one process with batch 2b.
     python -m my_utils.workflows.ddp --preset tiny
     # two processes on one machine: torchrun, accelerate launch or (in a notebook) my_utils.run.launch.launch
     torchrun --standalone --nproc_per_node 2 -m my_utils.workflows.ddp --preset tiny
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp --preset tiny
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp --preset tiny
     # two machines (run on each, node_rank 0 and 1; the first machine's address)
     torchrun --nnodes 2 --nproc_per_node 1 --node_rank 0 --master_addr 10.0.0.1 --master_port 29500 \\
         -m my_utils.workflows.ddp --preset tiny

@@ -4,7 +4,7 @@ from one process to several is a change of launcher only:
 
     python -m my_utils.workflows.ddp_trainer --preset tiny                                 # one process
     torchrun --standalone --nproc_per_node 2 -m my_utils.workflows.ddp_trainer --preset tiny
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp_trainer --preset tiny
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp_trainer --preset tiny
 
 On a CPU the Trainer needs ``use_cpu=True`` to form a gloo group of several processes (set below when no GPU is
 present). Writes a results folder like the raw DDP workflow: run.json, metrics.jsonl, summary.json and

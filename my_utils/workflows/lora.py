@@ -3,9 +3,9 @@
 One function, two launchers:
 
     # a shell, 2 processes on a CPU (gloo)
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.lora --preset tiny
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.lora --preset tiny
     # the same with 4-bit QLoRA, DoRA, or full fine-tuning
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.lora --preset tiny --quantize 4bit
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.lora --preset tiny --quantize 4bit
     python -m my_utils.workflows.lora --preset tiny --dora
     python -m my_utils.workflows.lora --preset tiny --method full
     # a notebook
@@ -500,7 +500,7 @@ def _quantization(model) -> dict | None:
 
 
 DESCRIPTION = ("LoRA / QLoRA / full fine-tuning of a causal LM on instruction data. Writes a results folder and prints "
-               "its summary. Launch with `accelerate launch --config_file configs/cpu_x2.yaml -m "
+               "its summary. Launch with `ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m "
                "my_utils.workflows.lora ...` for several processes.")
 
 

@@ -1,10 +1,10 @@
 """Pipeline parallelism with micro-batches, and tensor parallelism, on two or more processes.
 
     # a shell, 2 processes on a CPU (gloo): each process holds one stage of the tiny causal LM
-    torchrun --nproc_per_node 2 -m my_utils.workflows.pipeline --preset tiny
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.pipeline --preset tiny --schedule 1f1b
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.pipeline --preset tiny
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.pipeline --preset tiny --schedule 1f1b
     # tensor parallelism: every process holds half of each feed-forward matrix of the tiny encoder
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.pipeline --preset tiny --mode tensor
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.pipeline --preset tiny --mode tensor
 
 ``--mode pipeline`` cuts the model into one stage per process with ``balanced_layer_split`` (stages of about equal
 parameter counts), traces it with ``torch.distributed.pipelining.pipeline`` and runs a schedule (GPipe or 1F1B)
@@ -474,7 +474,8 @@ def tensor_summary(cfg: Config, world_size: int, reports: list, pairs, full_shap
 
 DESCRIPTION = ("Pipeline parallelism (one model stage per process, micro-batches, GPipe or 1F1B) or tensor parallelism "
                "(each matrix split over processes). Needs 2+ processes: torchrun --nproc_per_node 2 -m "
-               "my_utils.workflows.pipeline ..., or accelerate launch --config_file configs/cpu_x2.yaml -m ...")
+               "my_utils.workflows.pipeline ..., or (on a CPU) ACCELERATE_USE_CPU=1 accelerate launch --config_file "
+               "configs/cpu_x2.yaml -m ...")
 
 
 def parse_args(argv=None) -> Config:

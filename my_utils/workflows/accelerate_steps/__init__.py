@@ -18,7 +18,7 @@ diffs with::
 Every step runs alone or launched on several processes::
 
     python -m my_utils.workflows.accelerate_steps.step1_base --preset tiny
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step6_tracking --preset tiny
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step6_tracking --preset tiny
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 on one CPU, one GPU, or many processes on many machines, unchanged.
 
     python -m my_utils.workflows.accelerate_steps.step2_prepare --preset tiny
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step2_prepare --preset tiny
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step2_prepare --preset tiny
 """
 
 from __future__ import annotations

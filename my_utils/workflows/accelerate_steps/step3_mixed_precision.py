@@ -2,7 +2,7 @@
 and the optimizer stay in fp32. One argument; prepare() wraps the model's forward in autocast.
 
     python -m my_utils.workflows.accelerate_steps.step3_mixed_precision --preset tiny --mixed-precision bf16
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step3_mixed_precision \\
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step3_mixed_precision \\
         --preset tiny --mixed-precision bf16
 """
 

@@ -3,7 +3,7 @@ batch in the same memory. Under DDP the gradients are all-reduced only on the la
 ``no_sync()`` on the others), which ``accelerator.accumulate`` does for you.
 
     python -m my_utils.workflows.accelerate_steps.step4_accumulate --preset tiny --grad-accum 2
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step4_accumulate \\
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step4_accumulate \\
         --preset tiny --grad-accum 2
 """
 

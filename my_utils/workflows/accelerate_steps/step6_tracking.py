@@ -3,7 +3,7 @@
 from the main process only. This is the complete loop: every earlier step's lines are still in it.
 
     python -m my_utils.workflows.accelerate_steps.step6_tracking --preset tiny
-    accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step6_tracking --preset tiny
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.accelerate_steps.step6_tracking --preset tiny
     accelerate launch --config_file configs/fsdp.yaml -m my_utils.workflows.accelerate_steps.step6_tracking --preset gpt2
 """
 
