@@ -223,8 +223,8 @@ def summarize(cfg: Config, world_size: int, learning_rate: float, losses: list, 
 
 
 DESCRIPTION = ("Full fine-tuning with DistributedDataParallel in raw PyTorch. Writes a results folder and prints its "
-               "summary. Several processes: `torchrun --nproc_per_node 2 -m my_utils.workflows.ddp` or `accelerate "
-               "launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp`.")
+               "summary. Several processes: `torchrun --nproc_per_node 2 -m my_utils.workflows.ddp` or (on a CPU) "
+               "`ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp`.")
 
 
 def parse_args(argv=None) -> Config:

@@ -1,0 +1,81 @@
+"""Sharded data parallel over gloo: DDP and ZeRO-1/2/3 train to the same losses, each rank holds what the formula
+says, and each stage moves the volume it should; bad settings are one sentence before anything is written."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from my_utils.workflows import sharding
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_float32_formulas(world_size):
+    P, N = 1000, world_size
+    totals = {s: sum(sharding.memory_formula(s, P, N).values()) for s in sharding.STRATEGIES}
+    assert totals == {"ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 16 * P / N, "zero3": 16 * P / N}
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    import os
+
+    from my_utils.run.launch import REPO_ROOT
+
+    out = tmp_path_factory.mktemp("sharding") / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "my_utils.workflows.sharding", "--preset", "tiny", "--max-steps", "4", "--output-dir", out]
+    proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_every_stage_trains_like_ddp_and_holds_what_the_formula_says(sharded_run):
+    workers = [json.loads(p.read_text()) for p in sorted((sharded_run / "workers").glob("rank_*.json"))]
+    assert [w["world_size"] for w in workers] == [2, 2]  # as each worker saw it
+    summary = json.loads((sharded_run / "summary.json").read_text())
+    results = summary["strategies"]
+    assert list(results) == list(sharding.STRATEGIES)
+    ddp = results["ddp"]["losses"]
+    assert len(ddp) == 4 and ddp[-1] < ddp[0]
+    for name, result in results.items():
+        assert result["losses"] == pytest.approx(ddp, rel=1e-5, abs=1e-6), name
+        assert [m["rank"] for m in result["memory"]] == [0, 1]
+        for measured in result["memory"]:  # every kind, on every rank, within 10% of its formula
+            for kind, expected in result["formula"].items():
+                assert math.isclose(measured[kind], expected, rel_tol=0.10), (name, measured["rank"], kind)
+    total = {name: sum(r["memory"][0][k] for k in sharding.MEMORY_KINDS) for name, r in results.items()}
+    assert total["zero3"] < total["zero2"] < total["zero1"] < total["ddp"]
+    # elements through collectives per step, in units of P: an all-reduce counts twice (reduce-scatter + all-gather);
+    # torch's ZeRO-1 adds a broadcast of the updated weights to DDP's all-reduce
+    volumes = {name: round(r["volume_over_p"], 2) for name, r in results.items()}
+    assert volumes == {"ddp": 2, "zero1": 3, "zero2": 2, "zero3": 3}
+    assert (sharded_run / "memory.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategies", "zero4"], "Unknown strategy 'zero4'; choose one of ddp, zero1, zero2, zero3."),
+    (["--strategies"], "argument --strategies: expected at least one argument"),
+    ([], "Sharding needs 2 or more processes"),  # this test is one process
+    (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),
+])
+def test_bad_settings_are_one_sentence_and_write_nothing(tmp_path, capsys, args, message):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        sharding.main([*args, "--output-dir", str(out)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not out.exists()
+
+
+def test_a_model_too_small_to_shard_is_one_sentence():
+    import torch
+
+    from my_utils import UserError
+
+    with pytest.raises(UserError, match="too small to shard over 4 processes: a parameter has 3 rows"):
+        sharding.check_shardable(torch.nn.Linear(5, 3), world_size=4)
