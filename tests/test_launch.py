@@ -164,3 +164,27 @@ def test_run_command_passes_carriage_returns_through_and_names_the_failure(capsy
     assert done.stdout == "\rstep 0\rstep 1\rstep 2\n" and capsys.readouterr().out == done.stdout
     with pytest.raises(RuntimeError, match=r"exit code 3: step 2$"):
         launch.run_command([sys.executable, "-c", script, "3"], echo=False)
+
+
+@pytest.mark.parametrize("variable, engine", [("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")])
+def test_a_gpu_only_engine_on_a_cpu_is_one_sentence(monkeypatch, variable, engine):
+    monkeypatch.setenv(variable, "true")
+    monkeypatch.setattr(launch, "is_cpu_only", lambda: True)
+    with pytest.raises(UserError, match=f"asks for {engine}, which accelerate runs only on GPUs"):
+        launch.check_gpu_only_launch()
+    monkeypatch.setattr(launch, "is_cpu_only", lambda: False)
+    launch.check_gpu_only_launch()  # on GPUs it is what accelerate runs
+
+
+@pytest.mark.slow
+def test_the_fsdp_config_on_a_cpu_stops_before_anything_is_written(tmp_path, subprocess_env):
+    import subprocess
+
+    if not launch.is_cpu_only():
+        pytest.skip("on GPUs the FSDP config runs")
+    out = tmp_path / "fsdp"
+    cmd = launch.accelerate_command("my_utils.workflows.lora", ["--preset", "tiny", "--output-dir", out],
+                                    num_processes=2, config_file=launch.REPO_ROOT / "configs" / "fsdp.yaml")
+    proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "lora: error: The launch config asks for FSDP" in proc.stderr, proc.stderr[-3000:]
+    assert not out.exists()  # it did not train as plain DDP instead

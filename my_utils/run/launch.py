@@ -151,6 +151,20 @@ def launch(function, *args, num_processes: int = 1, port: int | None = None):
                 os.environ[key] = value
 
 
+# What `accelerate launch` tells its workers when the config asks for a GPU-only engine.
+GPU_ONLY_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed"}
+
+
+def check_gpu_only_launch() -> None:
+    """One sentence when the launch asked for FSDP or DeepSpeed on a machine without GPUs: accelerate runs neither
+    on a CPU, and the worker would otherwise train as plain DDP while its config says it shards."""
+    asked = [name for key, name in GPU_ONLY_ENGINES.items() if os.environ.get(key, "").lower() == "true"]
+    if asked and is_cpu_only():
+        raise UserError(f"The launch config asks for {asked[0]}, which accelerate runs only on GPUs, and this machine "
+                        "has none; on a CPU, ZeRO runs with torch's own FSDP2: ACCELERATE_USE_CPU=1 torchrun "
+                        "--nproc_per_node 2 -m my_utils.workflows.sharding.")
+
+
 def check_world_size(expected: int | None = None, timeout_s: float | None = None) -> int:
     """Inside a worker: the world size this process really belongs to, checked against what was asked.
 
@@ -163,6 +177,7 @@ def check_world_size(expected: int | None = None, timeout_s: float | None = None
 
     from accelerate import PartialState
 
+    check_gpu_only_launch()
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     state = PartialState(cpu=is_cpu_only(), **kwargs)
     expected = int(os.environ.get("WORLD_SIZE", "1")) if expected is None else expected
