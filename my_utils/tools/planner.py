@@ -2,6 +2,7 @@
 
     python -m my_utils plan --preset opt-350m --method qlora --rank 8 --batch-size 16 --max-length 128 --device T4
     python -m my_utils plan --preset gpt2 --method full --dtype bf16 --processes 4 --memory 24GiB
+    python -m my_utils plan --preset opt-350m --method full --processes 8 --zero 3 --device A100-40GB
     python -m my_utils plan --preset tiny --method lora --batch-size 16 --max-length 64 --device cpu   # a CPU process
 
 The architecture comes from the preset's shipped ``config.json``, built on PyTorch's ``meta`` device (shapes,
@@ -26,8 +27,14 @@ tensors (``compare_with_run``):
 - backward transient: what backward adds while the saved activations are still held: the loss gradients over
   the vocabulary (and with gradient checkpointing, the one layer being recomputed).
 
-The sum is the planned peak of tensor memory per process (= per device: data-parallel processes each hold a
-full replica). On a GPU the plan adds the CUDA context (``CUDA_CONTEXT``, outside torch's counters); on a CPU
+With ``--zero`` the data-parallel processes shard what DDP replicates (ZeRO, as lesson 09 measures it with torch's
+ZeroRedundancyOptimizer and FSDP2): stage 1 divides the optimizer states by the number of processes, stage 2 also the
+gradients and the stored weights, but gathers every weight whole from forward to backward (FSDP2's
+``reshard_after_forward=False``), stage 3 gathers only the unit at work: the root (embeddings, norms outside the
+blocks) and one block.
+
+The sum is the planned peak of tensor memory per process (= per device: without ZeRO, data-parallel processes each
+hold a full replica). On a GPU the plan adds the CUDA context (``CUDA_CONTEXT``, outside torch's counters); on a CPU
 the process also holds Python, torch and the libraries (``--device cpu`` measures them here, in a fresh
 process, and adds them).
 """
@@ -391,6 +398,8 @@ class Plan:
     saved_activations: float  # what autograd keeps from the forward pass for backward
     backward_extra: float  # what backward adds while the saved activations are still held
     ddp_buckets: float = 0.0  # DDP's flat copy of the gradients, with several processes
+    zero: int = 0  # ZeRO stage: what the processes shard (see the module's docstring)
+    gathered: float = 0.0  # whole weights gathered for compute under ZeRO-2 and 3
     overhead: float = 0.0  # CUDA context, or the CPU process's baseline
     overhead_what: str = ""
 
@@ -401,18 +410,22 @@ class Plan:
 
     @property
     def peak(self) -> float:
-        return self.weights + self.gradients + self.ddp_buckets + self.optimizer + self.activations + self.overhead
+        return (self.weights + self.gathered + self.gradients + self.ddp_buckets + self.optimizer + self.activations
+                + self.overhead)
 
     def parts(self) -> list[tuple[str, float, str]]:
         """(part, bytes, how it was computed) for each row of the plan."""
-        rows = [
-            ("weights", self.weights, f"{self.total_params:,} parameters"),
-            ("gradients", self.gradients, f"{self.trainable_params:,} trainable x 4 B"),
-        ]
+        shard = f", / {self.processes} (ZeRO-{self.zero})" if self.zero else ""
+        rows = [("weights", self.weights, f"{self.total_params:,} parameters" + (shard if self.zero >= 2 else ""))]
+        if self.gathered:
+            rows.append(("gathered weights", self.gathered, "every weight, whole, from forward to backward"
+                         if self.zero == 2 else "the root unit and one block, whole"))
+        rows.append(("gradients", self.gradients, f"{self.trainable_params:,} trainable x 4 B"
+                     + (shard if self.zero >= 2 else "")))
         if self.ddp_buckets:
             rows.append(("DDP gradient buckets", self.ddp_buckets, "a flat copy of the gradients, to all-reduce"))
         rows += [
-            ("optimizer states", self.optimizer, f"AdamW: {self.trainable_params:,} x 2 x 4 B"),
+            ("optimizer states", self.optimizer, f"AdamW: {self.trainable_params:,} x 2 x 4 B" + shard),
             ("saved activations", self.saved_activations, f"batch {self.batch} x seq {self.seq}"
              + (", bf16 autocast (with weight copies)" if self.dtype == "bf16" else "")
              + (", checkpointed" if self.gradient_checkpointing else "")),
@@ -424,6 +437,7 @@ class Plan:
         return rows
 
 
+ZERO_STAGES = (0, 1, 2, 3)
 # The adapter settings the arithmetic models; any other set away from its default is refused, so a new peft
 # option in AdapterSpec is never planned silently as plain LoRA.
 MODELLED_ADAPTER_FIELDS = ("rank", "alpha", "targets", "rslora")
@@ -441,12 +455,13 @@ def check_adapter_modelled(adapter) -> None:
 
 def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | None = None,
          max_length: int | None = None, processes: int = 1, dtype: str = "fp32", quantize: str | None = None,
-         gradient_checkpointing: bool = False, device: str = "cuda") -> Plan:
+         gradient_checkpointing: bool = False, device: str = "cuda", zero: int = 0) -> Plan:
     """Predict one process's peak tensor memory for fine-tuning ``preset`` with ``method`` (full, lora, qlora).
 
     ``adapter`` is an AdapterSpec (default: rank 8 on the preset's targets); ``quantize`` is '4bit' (NF4, the
     default for qlora) or '8bit'; ``batch_size`` is per process; ``max_length`` is the padded sequence length
-    (default: the preset's); ``device`` is 'cuda' or 'cpu' (see ``layer_activations``).
+    (default: the preset's); ``device`` is 'cuda' or 'cpu' (see ``layer_activations``); ``zero`` the ZeRO stage
+    over ``processes`` (0: plain DDP).
     """
     from my_utils.core.adapters import AdapterSpec
     from my_utils.core.presets import get_preset
@@ -462,6 +477,7 @@ def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | N
     seq = p.max_length if max_length is None else max_length
     for name, value in (("--batch-size", batch), ("--max-length", seq), ("--processes", processes)):
         check_positive(name, value)
+    check_zero(zero, processes, quantize)
     adapter = adapter or AdapterSpec()
     if method != "full":
         adapter.check()
@@ -477,12 +493,41 @@ def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | N
         raise UserError(f"LoRA rank {adapter.rank} is above the width of the layers it adapts ({width}), where a "
                         f"rank-{width} update is already a full one; use --rank {width} or less.")
     return estimate(arch, method, quantize=quantize, rank=adapter.rank, targets=adapter.targets, batch=batch, seq=seq,
-                    processes=processes, dtype=dtype, gradient_checkpointing=gradient_checkpointing, device=device)
+                    processes=processes, dtype=dtype, gradient_checkpointing=gradient_checkpointing, device=device,
+                    zero=zero)
+
+
+def check_zero(zero: int, processes: int, quantize: str) -> None:
+    """One sentence for a ZeRO stage that does not exist, has nothing to shard over, or is not modelled."""
+    if zero not in ZERO_STAGES:
+        raise UserError(f"--zero {zero} is not a ZeRO stage; choose one of {', '.join(map(str, ZERO_STAGES))}.")
+    if zero and processes < 2:
+        raise UserError(f"ZeRO shards over processes: --zero {zero} needs --processes 2 or more.")
+    if zero and quantize != "none":
+        raise UserError("The planner does not model ZeRO over quantized weights; plan --zero with full or lora.")
+
+
+def shard(plan: Plan, arch: Architecture, zero: int) -> Plan:
+    """``plan`` (plain DDP) with ZeRO stage ``zero`` over its processes (see the module's docstring)."""
+    from dataclasses import replace
+
+    if not zero:
+        return plan
+    n = plan.processes
+    if zero == 1:
+        return replace(plan, zero=1, optimizer=plan.optimizer / n)
+    # FSDP2: no DDP buckets; the weights stored as shards and gathered whole for compute
+    whole = plan.weights
+    block = 4 * sum(i * o + (o if bias else 0) for name, (i, o, bias) in arch.linears.items() if _in_block(name))
+    block /= arch.layers
+    root = max(whole - block * arch.layers, 0.0)
+    return replace(plan, zero=zero, weights=whole / n, gradients=plan.gradients / n, optimizer=plan.optimizer / n,
+                   ddp_buckets=0.0, gathered=whole if zero == 2 else root + block)
 
 
 def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: int = 8, targets=(), batch: int,
              seq: int, processes: int = 1, dtype: str = "fp32", gradient_checkpointing: bool = False,
-             device: str = "cuda") -> Plan:
+             device: str = "cuda", zero: int = 0) -> Plan:
     """The plan for an architecture (``plan`` fills in a preset's defaults and checks the arguments)."""
     dtype_bytes = DTYPES[dtype]
     in_blocks = [n for n in arch.linears if _in_block(n)]
@@ -550,11 +595,11 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
         backward_extra += tokens * arch.vocab * (2 * 4 + (dtype_bytes if autocast else 0))
         if method == "full":
             edges += tokens * arch.hidden * dtype_bytes  # the input of the (trainable) output layer
-    return Plan(preset=arch.name, method=method if method != "qlora" else f"qlora-{quantize}", dtype=dtype,
-                rank=rank if method != "full" else None, batch=batch, seq=seq, processes=processes,
-                gradient_checkpointing=gradient_checkpointing, total_params=total, trainable_params=trainable,
-                weights=weights, gradients=gradients, optimizer=optimizer, saved_activations=layers + edges,
-                backward_extra=backward_extra, ddp_buckets=gradients if processes > 1 else 0)
+    return shard(Plan(preset=arch.name, method=method if method != "qlora" else f"qlora-{quantize}", dtype=dtype,
+                      rank=rank if method != "full" else None, batch=batch, seq=seq, processes=processes,
+                      gradient_checkpointing=gradient_checkpointing, total_params=total, trainable_params=trainable,
+                      weights=weights, gradients=gradients, optimizer=optimizer, saved_activations=layers + edges,
+                      backward_extra=backward_extra, ddp_buckets=gradients if processes > 1 else 0), arch, zero)
 
 
 def _method(method: str, quantize: str | None) -> tuple[str, str]:
@@ -697,8 +742,8 @@ def render(p: Plan, limit: float | None = None, limit_name: str = "") -> str:
     from my_utils.tools.compare import text_table
 
     rows = [[part, format_bytes(size), how] for part, size, how in p.parts()]
-    rows.append(["peak per process", format_bytes(p.peak), f"x {p.processes} process(es), one per device"
-                 if p.processes > 1 else "one process"])
+    rows.append(["peak per process", format_bytes(p.peak), (f"x {p.processes} process(es), one per device"
+                 + (f", ZeRO-{p.zero}" if p.zero else "")) if p.processes > 1 else "one process"])
     title = (f"{p.preset}, {p.method}" + (f" r={p.rank}" if p.rank else "") + f", {p.dtype}, batch {p.batch} x seq "
              f"{p.seq}, {p.processes} process(es): {p.trainable_params:,} trainable of {p.total_params:,} parameters")
     lines = [title, text_table(["part", "memory", "from"], rows)]
@@ -724,6 +769,9 @@ def main(argv=None) -> Plan:
     ap.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
     ap.add_argument("--max-length", type=int, help="tokens per example after padding (default: the preset's)")
     ap.add_argument("--processes", type=int, default=1, help="data-parallel processes, one per device")
+    ap.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
+                    help="ZeRO stage over the processes: 1 shards the optimizer states, 2 also the gradients and "
+                    "stored weights (gathered whole from forward to backward), 3 gathers one block at a time")
     ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
                     help="compute dtype (bf16: mixed precision, autocast over fp32 weights)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
@@ -745,7 +793,7 @@ def main(argv=None) -> Plan:
     p = plan(args.preset, args.method, adapter=build_config(AdapterSpec, vars(args)), batch_size=args.batch_size,
              max_length=args.max_length,
              processes=args.processes, dtype=args.dtype, quantize=args.quantize,
-             gradient_checkpointing=args.gradient_checkpointing, device="cpu" if on_cpu else "cuda")
+             gradient_checkpointing=args.gradient_checkpointing, device="cpu" if on_cpu else "cuda", zero=args.zero)
     quantize = p.method.split("-", 1)[1] if p.method.startswith("qlora") else "none"
     with_runtime(p, "cpu" if on_cpu else "cuda", measure_baseline_rss(quantize) if on_cpu else None)
     if args.json:
