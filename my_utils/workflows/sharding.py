@@ -215,11 +215,14 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
 
+    from my_utils.workflows.ddp import batches_forever
+
     counts = {}
     model, optimizer = wrap(copy.deepcopy(base), strategy, cfg.learning_rate, counts)
     states = optimizer.optim.state if strategy == "zero1" else optimizer.state
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=dist.get_rank(), seed=cfg.seed)
-    batches = iter(DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True))
+    batches = batches_forever(DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True),
+                              sampler)
     losses, memory = [], {}
     started = time.perf_counter()
     for step in range(1, cfg.max_steps + 1):

@@ -1,0 +1,218 @@
+"""LoRA on a sharded base (FSDP2): a frozen base and its adapters, both sharded over the ranks; the adapter saved
+whole, and a resumed run that restores it on every rank.
+
+Two failures are known from other stacks: a ZeRO-3 run that saves an empty adapter (each rank holds only its shard
+and the save writes rank 0's), and an FSDP resume that leaves most of the adapter at its initial values (a shard
+loaded into one rank only). Here a save gathers the full adapter to rank 0 (``get_model_state_dict`` with
+``full_state_dict``) and writes it with peft; a resume loads it on every rank before the model is sharded, and the
+optimizer's state is broadcast from rank 0 into every rank's shards.
+
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.sharded_lora --preset tiny --save-steps 2
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.sharded_lora --preset tiny --save-steps 2 \\
+        --output-dir runs/sharded_lora/mine --resume
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from my_utils.core.adapters import AdapterSpec
+from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.results import RUNS_ROOT
+
+STAGES = ("zero2", "zero3")
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass
+class Config(RunSettings):
+    adapter: AdapterSpec = setting(AdapterSpec, "the LoRA adapter")
+    stage: str = setting("zero3", "zero2 keeps the gathered weights from forward to backward; zero3 frees them",
+                         choices=STAGES)
+    batch_size: int = setting(4, "blocks per process per step")
+    max_steps: int = setting(6, "optimizer steps")
+    max_length: int = setting(64, "tokens per packed block")
+    learning_rate: float | None = setting(None, "default: the preset's LoRA rate")
+    save_steps: int = setting(0, "save a checkpoint (the whole adapter and the optimizer) every N steps; 0: never")
+    resume: bool = setting(False, "continue --output-dir from its newest whole checkpoint")
+
+
+def validate(cfg: Config):
+    from my_utils import UserError
+    from my_utils.run.config import check_choice, check_positive
+
+    preset = cfg.check_common()
+    preset.require("causal")
+    cfg.adapter.check()
+    check_choice("stage", cfg.stage, STAGES)
+    for name in ("batch_size", "max_steps", "max_length"):
+        check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
+    if cfg.save_steps < 0:
+        raise UserError(f"--save-steps must be 0 (never) or positive, got {cfg.save_steps}.")
+    if cfg.resume and not cfg.output_dir:
+        raise UserError("--resume needs the --output-dir of the run to continue.")
+    return preset
+
+
+def resolve(cfg: Config, preset, world_size: int) -> Config:
+    from my_utils.core.learning_rate import default_learning_rate
+
+    return replace(cfg, adapter=cfg.adapter.resolved(preset.lora_targets), num_processes=world_size,
+                   learning_rate=cfg.learning_rate or default_learning_rate(preset, "lora"))
+
+
+def sharded_lora_model(cfg: Config, preset, checkpoint: Path | None):
+    """The preset's model with LoRA adapters (restored from ``checkpoint`` on every rank), then sharded."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import fully_shard
+
+    from my_utils.core.models import add_lora
+    from my_utils.workflows.ddp_common import build_model
+
+    model = add_lora(build_model(preset, random_init=cfg.random_init), cfg.adapter)
+    if checkpoint is not None:  # before sharding: every rank loads the whole adapter, then keeps its shard
+        set_peft_model_state_dict(model, load_file(checkpoint / "adapter" / "adapter_model.safetensors"))
+    # region: LoRA on a sharded base
+    for block in model.base_model.model.transformer.h:
+        fully_shard(block, reshard_after_forward=cfg.stage == "zero3")
+    fully_shard(model, reshard_after_forward=cfg.stage == "zero3")
+    # endregion
+    return model
+
+
+def save_whole(model, optimizer, folder: Path, step: int | None = None) -> None:
+    """Gather the adapter (and, for a checkpoint with ``step``, the optimizer) whole to rank 0 and write them
+    there; every rank must call it."""
+    import torch
+    import torch.distributed as dist
+    from peft import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    from my_utils.run.checkpoints import write_checkpoint_manifest
+    from my_utils.run.results import atomic_write_json
+
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0, on the CPU
+    state = get_model_state_dict(model, options=whole)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=whole) if step is not None else None
+    if dist.get_rank() == 0:
+        adapter = get_peft_model_state_dict(model, state_dict=state)
+        model.save_pretrained(folder / "adapter", state_dict=adapter, safe_serialization=True)
+        if step is not None:
+            torch.save(optimizer_state, folder / "optimizer.pt")
+            atomic_write_json(folder / "trainer_state.json", {"global_step": step})
+            write_checkpoint_manifest(folder)
+    dist.barrier()
+
+
+def restore_optimizer(model, optimizer, checkpoint: Path) -> None:
+    """The optimizer state saved whole in ``checkpoint``, read by rank 0 and broadcast into every rank's shards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True) if dist.get_rank() == 0 else {}
+    set_optimizer_state_dict(model, optimizer, saved,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def probe_logits(model, dataset) -> list[float]:
+    """The first logits of a fixed batch: the saved adapter, reloaded anywhere, must give them again."""
+    import torch
+
+    probe = torch.as_tensor(dataset[0]["input_ids"])[None]
+    with torch.no_grad():
+        return model(input_ids=probe).logits[0, :4, :4].flatten().tolist()
+
+
+def train(cfg: Config) -> dict:
+    """Train LoRA on a sharded base; returns the summary (on every rank; rank 0 also writes it)."""
+    preset = validate(cfg)
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from my_utils.core.models import folder_size
+    from my_utils.run.lifecycle import join_world, run_lifecycle
+    from my_utils.workflows.ddp import batches_forever
+    from my_utils.workflows.ddp_common import block_dataset, worker_report, write_worker_report
+    from my_utils.workflows.sharding import check_world
+
+    world_size = join_world(cfg.num_processes)
+    check_world(world_size)
+    cfg = resolve(cfg, preset, world_size)
+    dataset = block_dataset(preset, cfg.max_length)
+    with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "sharded_lora" / f"{cfg.preset}_{cfg.stage}",
+                       checkpoints=CHECKPOINTS, workflow="sharded_lora") as life:
+        write_worker_report(life.folder, worker_report())
+        torch.manual_seed(cfg.seed)
+        model = sharded_lora_model(cfg, preset, life.checkpoint)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
+                                      weight_decay=0.0)
+        done = 0
+        if life.checkpoint is not None:
+            restore_optimizer(model, optimizer, life.checkpoint)
+            done = int(life.checkpoint.name.rsplit("-", 1)[1])
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=dist.get_rank(), seed=cfg.seed)
+        batches = batches_forever(DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True),
+                                  sampler)
+        for _ in range(done):  # the batches the checkpoint had already trained on
+            next(batches)
+        crash_at = _crash_step()
+        for step in range(done + 1, cfg.max_steps + 1):
+            loss = model(**next(batches)).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            life.log({"step": step, "loss": mean.item() / world_size})
+            if cfg.save_steps and step % cfg.save_steps == 0:
+                save_whole(model, optimizer, life.folder / CHECKPOINTS / f"checkpoint-{step}", step)
+            if step == crash_at:
+                raise RuntimeError(f"injected crash after step {step} (COURSE_CRASH_AT_STEP)")
+        save_whole(model, optimizer, life.folder)
+        logits = probe_logits(model, dataset)
+        summary = None
+        if life.is_main:
+            summary = {"workflow": "sharded_lora", "preset": cfg.preset, "stage": cfg.stage,
+                       "world_size": world_size, "steps": cfg.max_steps, "rank": cfg.adapter.rank,
+                       "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                       "adapter_bytes": folder_size(life.folder / "adapter"),
+                       "probe_logits": logits}
+        life.finish(summary)
+    return life.summary
+
+
+def _crash_step() -> int | None:
+    """Fault injection for the tests: COURSE_CRASH_AT_STEP=k raises after step k (and its checkpoint)."""
+    import os
+
+    from my_utils.run.faults import CRASH_AT_STEP
+
+    value = os.environ.get(CRASH_AT_STEP)
+    return int(value) if value else None
+
+
+DESCRIPTION = ("LoRA on a base sharded with FSDP2 (ZeRO-2 or 3): the adapter saved whole, checkpoints that resume on "
+               "every rank. Needs 2+ processes: ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m "
+               "my_utils.workflows.sharded_lora. Writes a results folder and prints its summary.")
+
+
+def parse_args(argv=None) -> Config:
+    return parse_config(Config, argv, prog="python -m my_utils.workflows.sharded_lora", description=DESCRIPTION)
+
+
+def main(argv=None) -> dict:
+    from my_utils.run.cli import run_main
+
+    return run_main(lambda: train(parse_args(argv)), prefix="sharded_lora")
+
+
+if __name__ == "__main__":
+    from my_utils.run.cli import exit_skipping_teardown
+
+    main()
+    exit_skipping_teardown()

@@ -1,0 +1,77 @@
+"""LoRA on a base sharded with FSDP2 (ZeRO-3) over 2 gloo processes: the saved adapter is whole (the shapes and size
+of a 1-process adapter, the same outputs once reloaded into an unsharded model), and a run resumed from a checkpoint
+restores the adapter and the optimizer on every rank (the same losses and the same final adapter)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from my_utils.run.launch import REPO_ROOT
+
+ARGS = ["--preset", "tiny", "--max-steps", "6", "--save-steps", "2"]
+
+
+def sharded_lora(out, *extra, **env):
+    environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1",
+                   **{k: str(v) for k, v in env.items()}}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "my_utils.workflows.sharded_lora", *ARGS, *extra, "--output-dir", str(out)]
+    return subprocess.run(cmd, env=environment, capture_output=True, text=True, timeout=600)
+
+
+def losses(out):
+    return [(m["step"], m["loss"]) for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded_lora") / "whole"
+    proc = sharded_lora(out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_the_saved_adapter_is_whole_and_gives_the_sharded_models_outputs(uninterrupted):
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from my_utils.core.adapters import AdapterSpec
+    from my_utils.core.models import add_lora
+    from my_utils.core.presets import get_preset
+    from my_utils.workflows.ddp_common import block_dataset, build_model
+
+    workers = [json.loads(p.read_text()) for p in sorted((uninterrupted / "workers").glob("rank_*.json"))]
+    assert [w["world_size"] for w in workers] == [2, 2]
+    preset = get_preset("tiny")
+    one_process = get_peft_model_state_dict(add_lora(build_model(preset), AdapterSpec().resolved(preset.lora_targets)))
+    saved = load_file(uninterrupted / "adapter" / "adapter_model.safetensors")
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in one_process.items()}  # not a shard
+    assert all(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # trained, not the zero init
+    reloaded = PeftModel.from_pretrained(build_model(preset), uninterrupted / "adapter")
+    probe = torch.as_tensor(block_dataset(preset, 64)[0]["input_ids"])[None]
+    with torch.no_grad():
+        logits = reloaded(input_ids=probe).logits[0, :4, :4].flatten().tolist()
+    summary = json.loads((uninterrupted / "summary.json").read_text())
+    assert logits == pytest.approx(summary["probe_logits"], abs=1e-5)
+    assert summary["trainable_params"] == sum(v.numel() for v in saved.values())
+
+
+@pytest.mark.slow
+def test_a_resumed_run_restores_the_adapter_on_every_rank(uninterrupted, tmp_path):
+    out = tmp_path / "crashed"
+    crashed = sharded_lora(out, COURSE_CRASH_AT_STEP=3)  # after step 3; the newest checkpoint is step 2's
+    assert crashed.returncode != 0
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+    resumed = sharded_lora(out, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    # steps 3-6 again from checkpoint-2: the same losses only if both ranks' adapter and optimizer shards came back
+    assert losses(out) == losses(uninterrupted)
+    from safetensors.torch import load_file
+
+    a, b = (load_file(o / "adapter" / "adapter_model.safetensors") for o in (uninterrupted, out))
+    assert all(torch.equal(a[k], b[k]) for k in a)
