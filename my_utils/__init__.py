@@ -1,13 +1,14 @@
 """Helpers for the fine-tuning course.
 
 Importing this package is cheap: it imports no torch-heavy training libraries (peft, trl, bitsandbytes,
-``transformers.Trainer``), never touches CUDA, and only hides three library notices (below). Import the
+``transformers.Trainer``), never touches CUDA, and only hides four library notices (below). Import the
 submodules you need::
 
     from my_utils.core.printing import print0, rank_print
     from my_utils.run.results import Run
 """
 
+import logging
 import warnings
 
 __version__ = "0.1.0"
@@ -18,6 +19,10 @@ __version__ = "0.1.0"
 for _notice in (r"`is_gradient_checkpointing` is deprecated", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                 r"IProgress not found"):
     warnings.filterwarnings("ignore", message=_notice)
+# bitsandbytes, on CPUs with AVX512-BF16, tries to fetch an optional kernel from the hub when it is imported and logs
+# its absence; it then uses its own CPU kernel, which is what the course measures.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: "kernels-community" not in record.getMessage())
 
 
 class UserError(ValueError):

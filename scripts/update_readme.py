@@ -47,7 +47,8 @@ LESSONS = {
     "08_model_pipeline_parallel": ("model and pipeline parallel", "a balanced layer split, its idle time, a GPipe "
                                    "schedule with `torch.distributed.pipelining`, tensor parallel"),
     "09_sharding": ("sharded data parallel", "ZeRO-1, 2 and 3 (`ZeroRedundancyOptimizer`, FSDP2 `fully_shard`) beside "
-                    "DDP: same losses, memory per process measured against the formulas, communication per step"),
+                    "DDP: same losses, memory per process measured against the formulas, communication per step; LoRA "
+                    "on a sharded base, its adapter saved whole"),
     "10_classification": ("classification", "full vs LoRA on one device, with DDP and as a pipeline"),
     "11_compare": ("compare runs", "tables and plots from results folders, the memory planner beside measurement"),
 }
