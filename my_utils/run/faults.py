@@ -223,7 +223,8 @@ def install_fake_oom(model) -> bool:
     return True
 
 
-def _fault_settings() -> dict:
+def fault_settings() -> dict:
+    """The fault injection the COURSE_* variables ask for (step, rank, mode, delay; None or 0 where unset)."""
     mode = os.environ.get(CRASH_MODE, "raise")
     if mode not in CRASH_MODES:
         raise UserError(f"{CRASH_MODE}={mode!r} is not a fault mode; use one of {', '.join(CRASH_MODES)}.")
@@ -248,7 +249,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
     from transformers import TrainerCallback
 
     state = PartialState()
-    faults = _fault_settings()
+    faults = fault_settings()
 
     class CheckpointManifest(TrainerCallback):
         def on_save(self, args, trainer_state, control, **kwargs):

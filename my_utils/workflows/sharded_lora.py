@@ -135,6 +135,7 @@ def train(cfg: Config) -> dict:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from my_utils.core.models import folder_size
+    from my_utils.run.faults import fault_settings
     from my_utils.run.lifecycle import join_world, run_lifecycle
     from my_utils.workflows.ddp import batches_forever
     from my_utils.workflows.ddp_common import block_dataset, worker_report, write_worker_report
@@ -160,7 +161,7 @@ def train(cfg: Config) -> dict:
                                   sampler)
         for _ in range(done):  # the batches the checkpoint had already trained on
             next(batches)
-        crash_at = _crash_step()
+        crash_at = fault_settings()["step"]  # fault injection for the tests: COURSE_CRASH_AT_STEP
         for step in range(done + 1, cfg.max_steps + 1):
             loss = model(**next(batches)).loss
             loss.backward()
@@ -184,16 +185,6 @@ def train(cfg: Config) -> dict:
                        "probe_logits": logits}
         life.finish(summary)
     return life.summary
-
-
-def _crash_step() -> int | None:
-    """Fault injection for the tests: COURSE_CRASH_AT_STEP=k raises after step k (and its checkpoint)."""
-    import os
-
-    from my_utils.run.faults import CRASH_AT_STEP
-
-    value = os.environ.get(CRASH_AT_STEP)
-    return int(value) if value else None
 
 
 DESCRIPTION = ("LoRA on a base sharded with FSDP2 (ZeRO-2 or 3): the adapter saved whole, checkpoints that resume on "
