@@ -1,5 +1,5 @@
-"""Regenerate the README's series table and results section from the committed reference runs (never typed
-by hand).
+"""Regenerate the README's series table, fits table and results section from the committed reference runs and
+the planner (never typed by hand).
 
     python scripts/update_readme.py                  # reads runs/reference/, rewrites README.md in place
 
@@ -8,7 +8,8 @@ teaches and the claims its closing cell checked, with their measured figures, re
 lesson wrote in the reference demo run (``runs/reference/cpu_x2``). The section between ``<!-- results:start -->``
 and ``<!-- results:end -->`` is replaced by the markdown tables of ``python -m my_utils compare
 runs/reference/<folder> --markdown`` for each reference folder, or, for a folder of benchmarks written by
-``python -m my_utils bench``, their table of ratios.
+``python -m my_utils bench``, their table of ratios. The table between ``<!-- fits:start -->`` and
+``<!-- fits:end -->`` is the memory planner's ``fits_table``.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ sys.path.insert(0, str(REPO_ROOT))
 from my_utils.run.results import CLAIMS_FILE, read_json  # noqa: E402
 from my_utils.tools.bench import BENCHMARKS, render_table  # noqa: E402
 from my_utils.tools.compare import overview  # noqa: E402
+from my_utils.tools.planner import fits_table  # noqa: E402
 
 REFERENCE = REPO_ROOT / "runs" / "reference"
 DEMO_REFERENCE = REFERENCE / "cpu_x2"  # the reference `make demo` run
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 SERIES_START, SERIES_END = "<!-- series:start -->", "<!-- series:end -->"
+FITS_START, FITS_END = "<!-- fits:start -->", "<!-- fits:end -->"
 # What each notebook teaches; what it showed comes from the reference run.
 LESSONS = {
     "00_setup": ("setup", "versions, devices, presets, what runs where on this machine"),
@@ -117,8 +120,10 @@ def main() -> None:
     readme = REPO_ROOT / "README.md"
     text = readme.read_text(encoding="utf-8")
     text = replace_section(text, SERIES_START, SERIES_END, series_section())
+    text = replace_section(text, FITS_START, FITS_END, "\n".join([FITS_START, fits_table(), FITS_END]))
     readme.write_text(replace_section(text, START, END, results_section()), encoding="utf-8")
-    print("README.md series table and results section regenerated from", REFERENCE.relative_to(REPO_ROOT))
+    print("README.md series table, fits table and results section regenerated from",
+          REFERENCE.relative_to(REPO_ROOT))
 
 
 if __name__ == "__main__":

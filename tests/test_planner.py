@@ -372,3 +372,14 @@ def test_plan_matches_a_measured_tiny_run_part_by_part(name, baselines, tmp_path
         assert p.trainable_params == summary["trainable_params"] and p.processes == processes
         assert all(abs(r.ratio - 1) <= 0.15 for r in rows), rows
         assert 0.75 <= p.peak / measured_peak <= 1.25
+
+
+def test_largest_batch_is_the_last_that_fits():
+    from my_utils.tools.planner import largest_batch, plan, with_runtime
+
+    memory = 3 * 2**30
+    batch = largest_batch("gpt2", "lora", memory)
+    assert batch > 0
+    assert with_runtime(plan("gpt2", "lora", batch_size=batch)).peak <= memory
+    assert with_runtime(plan("gpt2", "lora", batch_size=batch + 1)).peak > memory
+    assert largest_batch("gpt2", "full", 2**20) == 0  # not even one example in 1 MiB

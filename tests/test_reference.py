@@ -86,3 +86,12 @@ def test_readme_series_table_shows_each_lessons_checked_claims(tmp_path, monkeyp
     assert rows["05"].endswith("| not recorded |")  # a lesson without a claims file says so, never a stale figure
     notebooks = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert sorted(update_readme.LESSONS) == notebooks, "the table lists exactly the notebooks of the series"
+
+
+def test_the_readme_fits_table_is_the_planners():
+    """The README's what-fits-per-card table is generated, never typed: regenerate it when the planner changes."""
+    from my_utils.tools.planner import fits_table
+
+    update_readme = load_script("update_readme")
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    assert "\n".join([update_readme.FITS_START, fits_table(), update_readme.FITS_END]) in readme

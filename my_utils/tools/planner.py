@@ -665,6 +665,45 @@ def with_runtime(p: Plan, device: str = "cuda", baseline: int | None = None) -> 
     return p
 
 
+# ---------------------------------------------------------------------------------------------- what fits per card
+
+FITS_PRESETS = ("gpt2", "smollm2-135m", "opt-350m")
+FITS_CARDS = ("T4", "A10G", "A100-40GB", "H100")
+# (method, dtype, ZeRO stages planned): full fine-tuning in bf16 autocast, LoRA and QLoRA
+FITS_ROWS = (("full", "bf16", ZERO_STAGES), ("lora", "bf16", (0, 3)), ("qlora", "bf16", (0,)))
+
+
+def largest_batch(preset: str, method: str, memory: float, *, limit: int = 4096, **settings) -> int:
+    """The largest batch per process whose planned peak (CUDA context included) fits ``memory`` bytes, at most
+    ``limit``; 0 when not even one example fits. ``settings`` go to ``plan``."""
+    def fits(batch: int) -> bool:
+        return with_runtime(plan(preset, method, batch_size=batch, **settings)).peak <= memory
+
+    low, high = 0, limit  # fits(low) holds (or low is 0); the answer is in [low, high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
+
+
+def fits_table(processes: int = 8) -> str:
+    """A markdown table of what fits per card: for each real preset and method, with plain DDP and with ZeRO over
+    ``processes`` GPUs, the largest batch per GPU that each of ``FITS_CARDS`` holds at the preset's sequence length
+    (the planned peak, CUDA context included)."""
+    from my_utils.core.presets import get_preset
+    from my_utils.tools.compare import markdown_table
+
+    rows = []
+    for preset in FITS_PRESETS:
+        for method, dtype, stages in FITS_ROWS:
+            for zero in stages:
+                batches = [largest_batch(preset, method, DEVICES[card], processes=processes, dtype=dtype, zero=zero)
+                           for card in FITS_CARDS]
+                rows.append([preset, method, f"ZeRO-{zero}" if zero else "DDP", str(get_preset(preset).max_length),
+                             *(str(b) if b else "does not fit" for b in batches)])
+    return markdown_table(["preset", "method (bf16 autocast)", f"over {processes} GPUs", "seq", *FITS_CARDS], rows)
+
+
 # ---------------------------------------------------------------------------------------------- a run against its plan
 
 
