@@ -94,3 +94,18 @@ def test_the_planner_shards_as_the_run_measured(sharded_run):
         assert math.isclose(planned.optimizer, measured["optimizer_states"], rel_tol=0.02), name
         if name == "zero2":  # ZeRO-3's gathered unit is transient: after the forward pass nothing is left gathered
             assert math.isclose(planned.gathered, measured["gathered"], rel_tol=0.01)
+
+
+@pytest.mark.slow
+def test_a_batch_larger_than_the_data_is_one_sentence_before_the_folder_exists(tmp_path):
+    import os
+
+    from my_utils.run.launch import REPO_ROOT
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "my_utils.workflows.sharding", "--batch-size", "100000", "--output-dir", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "fewer than one global batch of 200000" in proc.stderr, proc.stderr[-2000:]
+    assert not out.exists()

@@ -23,6 +23,7 @@ from my_utils.run.results import RUNS_ROOT
 
 STAGES = ("zero2", "zero3")
 CHECKPOINTS = "checkpoints"
+RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "save_steps"})  # where and how often, not what it trains
 
 
 @dataclass
@@ -50,8 +51,17 @@ def validate(cfg: Config):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
     if cfg.save_steps < 0:
         raise UserError(f"--save-steps must be 0 (never) or positive, got {cfg.save_steps}.")
-    if cfg.resume and not cfg.output_dir:
-        raise UserError("--resume needs the --output-dir of the run to continue.")
+    if cfg.resume:
+        from dataclasses import asdict
+
+        from my_utils.run.checkpoints import find_resume_checkpoint
+        from my_utils.run.lifecycle import check_resumable
+
+        if not cfg.output_dir:
+            raise UserError("--resume continues an existing results folder; name it with --output-dir.")
+        resolved = resolve(cfg, preset, cfg.num_processes or 2)  # run.json records the resolved settings
+        check_resumable(cfg.output_dir, asdict(resolved), may_differ=RESUME_MAY_DIFFER)
+        find_resume_checkpoint(Path(cfg.output_dir) / CHECKPOINTS)  # one sentence now if there is none
     return preset
 
 
@@ -62,16 +72,15 @@ def resolve(cfg: Config, preset, world_size: int) -> Config:
                    learning_rate=cfg.learning_rate or default_learning_rate(preset, "lora"))
 
 
-def sharded_lora_model(cfg: Config, preset, checkpoint: Path | None):
-    """The preset's model with LoRA adapters (restored from ``checkpoint`` on every rank), then sharded."""
+def sharded_lora_model(base, cfg: Config, checkpoint: Path | None):
+    """``base`` with LoRA adapters (restored from ``checkpoint`` on every rank), then sharded."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
     from torch.distributed.fsdp import fully_shard
 
     from my_utils.core.models import add_lora
-    from my_utils.workflows.ddp_common import build_model
 
-    model = add_lora(build_model(preset, random_init=cfg.random_init), cfg.adapter)
+    model = add_lora(base, cfg.adapter)
     if checkpoint is not None:  # before sharding: every rank loads the whole adapter, then keeps its shard
         set_peft_model_state_dict(model, load_file(checkpoint / "adapter" / "adapter_model.safetensors"))
     # region: LoRA on a sharded base
@@ -134,22 +143,26 @@ def train(cfg: Config) -> dict:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from my_utils.core.models import folder_size
+    from my_utils.core.data import check_enough_rows
+    from my_utils.core.models import check_lora_targets, folder_size
     from my_utils.run.faults import fault_settings
     from my_utils.run.lifecycle import join_world, run_lifecycle
     from my_utils.workflows.ddp import batches_forever
-    from my_utils.workflows.ddp_common import block_dataset, worker_report, write_worker_report
+    from my_utils.workflows.ddp_common import block_dataset, build_model, worker_report, write_worker_report
     from my_utils.workflows.sharding import check_world
 
     world_size = join_world(cfg.num_processes)
     check_world(world_size)
     cfg = resolve(cfg, preset, world_size)
     dataset = block_dataset(preset, cfg.max_length)
+    check_enough_rows(len(dataset), cfg.batch_size * world_size)
+    torch.manual_seed(cfg.seed)
+    base = build_model(preset, random_init=cfg.random_init)
+    check_lora_targets(base, cfg.adapter.targets, cfg.adapter.rank)  # before the results folder exists
     with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "sharded_lora" / f"{cfg.preset}_{cfg.stage}",
                        checkpoints=CHECKPOINTS, workflow="sharded_lora") as life:
         write_worker_report(life.folder, worker_report())
-        torch.manual_seed(cfg.seed)
-        model = sharded_lora_model(cfg, preset, life.checkpoint)
+        model = sharded_lora_model(base, cfg, life.checkpoint)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                       weight_decay=0.0)
         done = 0

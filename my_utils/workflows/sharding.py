@@ -249,6 +249,7 @@ def train(cfg: Config) -> dict:
     preset = validate(cfg)
     import torch
 
+    from my_utils.core.data import check_enough_rows
     from my_utils.core.printing import print0
     from my_utils.run.lifecycle import join_world, run_lifecycle
     from my_utils.workflows.ddp_common import block_dataset, build_model, worker_report, write_worker_report
@@ -257,6 +258,7 @@ def train(cfg: Config) -> dict:
     check_world(world_size)
     cfg = resolve(cfg, preset, world_size)
     dataset = block_dataset(preset, cfg.max_length)
+    check_enough_rows(len(dataset), cfg.batch_size * world_size)
     torch.manual_seed(cfg.seed)
     base = build_model(preset, random_init=cfg.random_init)  # every strategy starts from a copy of these weights
     check_shardable(base, world_size)
