@@ -477,3 +477,28 @@ def test_a_tokenizer_without_an_end_of_sequence_token_is_one_sentence(monkeypatc
     with pytest.raises(UserError, match="has no end-of-sequence token") as e:
         load_tokenizer(get_preset("tiny"))
     assert_one_sentence(str(e.value))
+
+
+def test_a_model_neither_cached_nor_downloadable_is_one_sentence_at_once(monkeypatch):
+    import socket
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from my_utils.core.models import check_available
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: None)  # an empty cache
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="gpt2 is not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids"):
+        check_available("gpt2")
+
+    def unreachable(address, timeout):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    with pytest.raises(UserError, match="gpt2 is not in the Hugging Face cache and huggingface.co cannot be reached"):
+        check_available("gpt2")
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: "/cache/gpt2/config.json")
+    check_available("gpt2")  # cached: nothing to download
+    check_available(str(REPO_ROOT / "assets" / "tiny" / "causal_lm"))  # a local folder

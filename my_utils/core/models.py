@@ -20,11 +20,35 @@ from my_utils.core.presets import Preset
 QUANTIZE_CHOICES = ("none", "8bit", "4bit")
 
 
+def check_available(model_id: str) -> None:
+    """One sentence, within seconds, when ``model_id`` is neither a local folder nor in the Hugging Face cache and
+    cannot be downloaded (offline mode, or the hub unreachable): transformers would retry for about a minute and
+    end in a long traceback that never says so."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if Path(model_id).is_dir() or isinstance(try_to_load_from_cache(model_id, "config.json"), str):
+        return
+    how = f"download it where there is internet (hf download {model_id}) into {constants.HF_HUB_CACHE}"
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"{model_id} is not in the Hugging Face cache and HF_HUB_OFFLINE=1 forbids downloading it; "
+                        f"{how}, or unset HF_HUB_OFFLINE.")
+    hub = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((hub.hostname, hub.port or 443), timeout=3).close()
+    except OSError:
+        raise UserError(f"{model_id} is not in the Hugging Face cache and {hub.hostname} cannot be reached; "
+                        f"{how}.") from None
+
+
 def load_tokenizer(preset: Preset, role: str = "causal", *, trust_remote_code: bool = False):
     """The preset's tokenizer, with a pad token (GPT-2-style tokenizers have none: eos is reused).
     ``trust_remote_code`` (off unless the user asks) lets a hub repository run its own Python code."""
     from transformers import AutoTokenizer
 
+    check_available(preset.require(role))
     tokenizer = AutoTokenizer.from_pretrained(preset.require(role), trust_remote_code=trust_remote_code)
     if role == "causal" and tokenizer.eos_token is None:  # training teaches the model to end its answer with it
         raise UserError(f"The tokenizer of {preset.require(role)} has no end-of-sequence token, which the "
@@ -71,6 +95,7 @@ def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str 
             raise UserError("Quantization needs pretrained weights; drop --random-init or use --quantize none.")
         return name_causal_lm_loss(AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                                     trust_remote_code=trust_remote_code))
+    check_available(model_id)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     if qconfig is not None:
         kwargs["quantization_config"] = qconfig
@@ -112,6 +137,7 @@ def build_classifier(preset: Preset, num_labels: int, *, random_init: bool = Fal
                                             trust_remote_code=trust_remote_code)
         return AutoModelForSequenceClassification.from_config(config, dtype=dtype,
                                                               trust_remote_code=trust_remote_code)
+    check_available(preset.require("classifier"))
     kwargs = {"dtype": dtype} if dtype is not None else {}
     return AutoModelForSequenceClassification.from_pretrained(
         preset.require("classifier"), num_labels=num_labels, trust_remote_code=trust_remote_code, **kwargs
