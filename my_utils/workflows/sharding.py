@@ -125,18 +125,12 @@ def local_bytes(tensors) -> int:
 
 def gathered_bytes(model) -> int:
     """Bytes of whole (gathered, unsharded) weights an FSDP2 model holds now; 0 for a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    params = list(model.parameters())
-    if not any(isinstance(p, DTensor) for p in params) and not _is_fsdp(model):
+    if not isinstance(model, FSDPModule):
         return 0
-    return sum(p.numel() * p.element_size() for p in params if not isinstance(p, DTensor))
-
-
-def _is_fsdp(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
 
 
 @contextmanager
