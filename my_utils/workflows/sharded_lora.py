@@ -141,23 +141,14 @@ def train(cfg: Config) -> dict:
     preset = validate(cfg)
     import torch
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
 
-    from my_utils.core.data import check_enough_rows
     from my_utils.core.models import check_lora_targets, folder_size
     from my_utils.run.faults import fault_settings
-    from my_utils.run.lifecycle import join_world, run_lifecycle
-    from my_utils.workflows.ddp import batches_forever
-    from my_utils.workflows.ddp_common import block_dataset, build_model, worker_report, write_worker_report
-    from my_utils.workflows.sharding import check_world
+    from my_utils.run.lifecycle import run_lifecycle
+    from my_utils.workflows.ddp_common import worker_report, write_worker_report
+    from my_utils.workflows.sharding import rank_batches, start_worker
 
-    world_size = join_world(cfg.num_processes)
-    check_world(world_size)
-    cfg = resolve(cfg, preset, world_size)
-    dataset = block_dataset(preset, cfg.max_length)
-    check_enough_rows(len(dataset), cfg.batch_size * world_size)
-    torch.manual_seed(cfg.seed)
-    base = build_model(preset, random_init=cfg.random_init)
+    cfg, world_size, dataset, base = start_worker(cfg, preset, resolve)
     check_lora_targets(base, cfg.adapter.targets, cfg.adapter.rank)  # before the results folder exists
     with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "sharded_lora" / f"{cfg.preset}_{cfg.stage}",
                        checkpoints=CHECKPOINTS, workflow="sharded_lora") as life:
@@ -169,9 +160,7 @@ def train(cfg: Config) -> dict:
         if life.checkpoint is not None:
             restore_optimizer(model, optimizer, life.checkpoint)
             done = int(life.checkpoint.name.rsplit("-", 1)[1])
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=dist.get_rank(), seed=cfg.seed)
-        batches = batches_forever(DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True),
-                                  sampler)
+        batches = rank_batches(dataset, cfg, world_size)
         for _ in range(done):  # the batches the checkpoint had already trained on
             next(batches)
         crash_at = fault_settings()["step"]  # fault injection for the tests: COURSE_CRASH_AT_STEP

@@ -200,6 +200,37 @@ def wrap(model, strategy: str, learning_rate: float, counts: dict):
     # endregion
 
 
+def start_worker(cfg, preset, resolve_config):
+    """What both sharding workflows do in every worker before the results folder exists: join a world of 2 or
+    more processes, settle the defaults (``resolve_config(cfg, preset, world_size)``), read the packed blocks (at
+    least one global batch) and build the model from the seed, the same weights on every rank. Returns (the resolved
+    config, the world size, the blocks, the model)."""
+    import torch
+
+    from my_utils.core.data import check_enough_rows
+    from my_utils.run.lifecycle import join_world
+    from my_utils.workflows.ddp_common import block_dataset, build_model
+
+    world_size = join_world(cfg.num_processes)
+    check_world(world_size)
+    cfg = resolve_config(cfg, preset, world_size)
+    dataset = block_dataset(preset, cfg.max_length)
+    check_enough_rows(len(dataset), cfg.batch_size * world_size)
+    torch.manual_seed(cfg.seed)
+    return cfg, world_size, dataset, build_model(preset, random_init=cfg.random_init)
+
+
+def rank_batches(dataset, cfg, world_size: int):
+    """This rank's batches, epoch after epoch, in an order fixed by the seed (the same in every run)."""
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from my_utils.workflows.ddp import batches_forever
+
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=dist.get_rank(), seed=cfg.seed)
+    return batches_forever(DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True), sampler)
+
+
 def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> dict:
     """Train a copy of ``base`` for ``cfg.max_steps`` steps with ``strategy``; this rank's losses, memory,
     communication and seconds."""
@@ -207,16 +238,11 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
 
     import torch
     import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    from my_utils.workflows.ddp import batches_forever
 
     counts = {}
     model, optimizer = wrap(copy.deepcopy(base), strategy, cfg.learning_rate, counts)
     states = optimizer.optim.state if strategy == "zero1" else optimizer.state
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=dist.get_rank(), seed=cfg.seed)
-    batches = batches_forever(DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True),
-                              sampler)
+    batches = rank_batches(dataset, cfg, world_size)
     losses, memory = [], {}
     started = time.perf_counter()
     for step in range(1, cfg.max_steps + 1):
@@ -241,20 +267,11 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
 def train(cfg: Config) -> dict:
     """Run every strategy in ``cfg.strategies``; returns the summary (on every rank; rank 0 also writes it)."""
     preset = validate(cfg)
-    import torch
-
-    from my_utils.core.data import check_enough_rows
     from my_utils.core.printing import print0
-    from my_utils.run.lifecycle import join_world, run_lifecycle
-    from my_utils.workflows.ddp_common import block_dataset, build_model, worker_report, write_worker_report
+    from my_utils.run.lifecycle import run_lifecycle
+    from my_utils.workflows.ddp_common import worker_report, write_worker_report
 
-    world_size = join_world(cfg.num_processes)
-    check_world(world_size)
-    cfg = resolve(cfg, preset, world_size)
-    dataset = block_dataset(preset, cfg.max_length)
-    check_enough_rows(len(dataset), cfg.batch_size * world_size)
-    torch.manual_seed(cfg.seed)
-    base = build_model(preset, random_init=cfg.random_init)  # every strategy starts from a copy of these weights
+    cfg, world_size, dataset, base = start_worker(cfg, preset, resolve)  # every strategy starts from a copy of base
     check_shardable(base, world_size)
     with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "sharding" / f"{cfg.preset}_x{world_size}",
                        workflow="sharding") as life:
