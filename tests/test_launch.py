@@ -148,12 +148,15 @@ def test_a_successful_run_ends_its_process_group_and_a_failed_one_keeps_it():
         dist.destroy_process_group()
 
 
-def test_a_worker_exiting_without_teardown_still_delivers_its_output(subprocess_env):
+@pytest.mark.parametrize("body, code", [("pass", 0), ("raise SystemExit(2)", 2), ("raise SystemExit(None)", 0)])
+def test_a_script_ending_without_teardown_keeps_its_output_and_its_exit_code(subprocess_env, body, code):
     import subprocess
 
-    code = "from my_utils.run.cli import exit_skipping_teardown\nprint('written', end='')\nexit_skipping_teardown()\n"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env)
-    assert proc.returncode == 0 and proc.stdout == "written"  # buffered output is flushed before the exit
+    script = ("from my_utils.run.cli import run_as_script\n"
+              f"def main():\n    print('written', end='')\n    {body}\n"
+              "run_as_script(main)\nprint(' after')\n")  # never reached: the process ends inside run_as_script
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env)
+    assert (proc.returncode, proc.stdout) == (code, "written")  # buffered output is flushed before the exit
 
 
 def test_run_command_passes_carriage_returns_through_and_names_the_failure(capsys):

@@ -43,7 +43,7 @@ def end_process_group() -> None:
     """Destroy this process's process group, if it has one, after a successful run.
 
     torch asks every process to do this before it exits, so that pending communication finishes and the group's
-    resources are released in order. (Pipeline workers also need ``exit_skipping_teardown``.) Not called after an
+    resources are released in order. (A worker also skips C++ teardown: ``run_as_script``.) Not called after an
     error: the other ranks may still be inside a collective.
     """
     dist = sys.modules.get("torch.distributed")
@@ -51,14 +51,24 @@ def end_process_group() -> None:
         dist.destroy_process_group()
 
 
-def exit_skipping_teardown() -> None:
-    """End a finished worker at once (``os._exit(0)`` after flushing its output).
+def run_as_script(main) -> None:
+    """What a workflow module runs as ``python -m`` (alone, or as a worker of ``torchrun`` or ``accelerate
+    launch``): ``main()``, then the end of the process without the interpreter's teardown (``os._exit`` with
+    main's exit code, after flushing the output).
 
-    Even with its process group destroyed, a process that ran ``torch.distributed.pipelining`` or DDP over gloo
-    (the pipeline, classification and ddp workflows) sometimes aborts in C++ teardown at interpreter exit
-    ("terminate called without an active exception"), after its results are written; the launcher then reports the job as failed. Everything the worker
-    writes is closed by then, so there is nothing left for that teardown to do.
+    Even with its process group destroyed, a process that communicated over gloo (DDP, pipelining, FSDP, an
+    accelerate loop) sometimes aborts in C++ teardown at interpreter exit ("terminate called without an active
+    exception"), after its results are written; the launcher then reports the whole job as failed. Everything a
+    workflow writes is closed when ``main`` returns, so there is nothing left for that teardown to do. Any other
+    exception than SystemExit is a bug and ends the process the usual way, with its traceback.
     """
+    try:
+        main()
+        code = 0
+    except SystemExit as e:  # run_main's exit codes 1 and 2; argparse's 0 (--help) and 2
+        if not (e.code is None or isinstance(e.code, int)):
+            raise
+        code = e.code or 0
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -361,7 +361,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    from my_utils.run.cli import exit_skipping_teardown
+    from my_utils.run.cli import run_as_script
 
-    main()
-    exit_skipping_teardown()
+    run_as_script(main)

@@ -46,4 +46,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from my_utils.run.cli import run_as_script
+
+    run_as_script(main)
