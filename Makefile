@@ -28,8 +28,9 @@ demo: install
 test: install
 	$(PY) -m pytest
 
+# Jupyter refuses to start as root (in a container, say) unless told it is meant.
 lab: install
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -408,6 +408,8 @@ HOSTILE = [
     ("sweep", ["--output-dir", "{run}/sweep"], "is inside the results folder"),
     ("bench", ["--output-root", "{run}/bench"], "is inside the results folder"),
     ("demo", ["--processes", "0"], "--processes must be a positive integer, got 0"),
+    ("demo", ["--processes", "4096"], "4096 processes asked for but this machine has"),
+    ("demo", ["--preset", "gtp2"], "Unknown preset 'gtp2'; did you mean 'gpt2'"),
 ]
 
 

@@ -3,7 +3,7 @@ its lesson claims, so a notebook whose claim stops holding fails here."""
 
 import pytest
 
-from my_utils.tools.demo import execute_notebook, notebooks
+from my_utils.tools.demo import declared_parameters, execute_notebook, notebooks
 
 
 @pytest.mark.slow
@@ -38,3 +38,38 @@ def test_every_region_a_notebook_shows_exists():
     assert shown, "the lessons show module code through show_region"
     for notebook, module, name in shown:
         assert name in regions(module), f"{notebook} shows region {name!r} of {module}, which has no such region"
+
+
+def test_a_lesson_with_a_preset_declares_its_settings_in_one_parameters_cell():
+    """papermill's convention, which the demo follows: the settings a run changes (PRESET, PROCESSES, STEPS) are
+    assigned in one cell tagged ``parameters`` and nowhere else."""
+    import re
+
+    import nbformat
+
+    for path in notebooks():
+        nb = nbformat.read(path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        tagged = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+        if not any(re.search(r"\bPRESET\b", c.source) for c in code):
+            assert not tagged, path.name
+            continue
+        assert len(tagged) == 1 and "PRESET" in declared_parameters(nb), f"{path.name}: PRESET in a parameters cell"
+        for name in declared_parameters(nb):
+            others = [c for c in code if c not in tagged and re.search(rf"^{name} =", c.source, re.M)]
+            assert not others, f"{path.name} assigns {name} outside its parameters cell"
+
+
+@pytest.mark.slow
+def test_the_demo_sets_the_parameters_a_lesson_declares_and_only_those(tmp_path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell('PRESET = "tiny"\nSTEPS = 3', metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell('print(PRESET, STEPS, "PROCESSES" in globals())')])
+    nbformat.write(nb, tmp_path / "lesson.ipynb")
+    execute_notebook(tmp_path / "lesson.ipynb", tmp_path / "out.ipynb", run_root=tmp_path / "runs",
+                     parameters={"PRESET": "gpt2", "PROCESSES": 4})
+    executed = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    assert [c.metadata.get("tags") for c in executed.cells] == [["parameters"], ["injected-parameters"], None]
+    assert executed.cells[-1].outputs[0]["text"] == "gpt2 3 False\n"

@@ -1,10 +1,13 @@
 """The main job: run the whole series on the tiny preset by executing every notebook into a new results
 folder ``runs/run_<n>_<device>_x<count>/``, then print the comparison table.
 
-    python -m my_utils demo                 # all notebooks
-    python -m my_utils demo --only 00 04    # some of them
+    python -m my_utils demo                             # all notebooks
+    python -m my_utils demo --only 00 04                # some of them
+    python -m my_utils demo --preset gpt2 --processes 4 # on a machine with 4 GPUs
 
-The folder holds each executed notebook (with its outputs) and every experiment's results folder.
+The folder holds each executed notebook (with its outputs) and every experiment's results folder. A lesson's
+settings are in its cell tagged ``parameters`` (papermill's convention); ``--preset`` and ``--processes`` set
+them the way ``papermill -p PRESET gpt2`` would, in a cell after it.
 """
 
 from __future__ import annotations
@@ -31,14 +34,41 @@ def notebooks(only=None) -> list[Path]:
     return found
 
 
-def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 1200) -> float:
-    """Execute one notebook with COURSE_RUN_ROOT set, save it with its outputs; returns seconds taken.
-    A failing cell raises, after the partly executed notebook is saved for inspection."""
+def declared_parameters(nb) -> list[str]:
+    """The names a notebook's cell tagged ``parameters`` assigns (none without such a cell)."""
+    import ast
+
+    cells = [c for c in nb.cells if c.cell_type == "code" and "parameters" in c.metadata.get("tags", [])]
+    return [target.id for cell in cells for node in ast.parse(cell.source).body if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)]
+
+
+def inject_parameters(nb, values: dict) -> list[str]:
+    """Set those of ``values`` that the notebook declares, as papermill does: a cell tagged
+    ``injected-parameters`` right after its ``parameters`` cell. Returns the names set."""
+    import nbformat
+
+    names = [name for name in values if name in declared_parameters(nb)]
+    if names:
+        at = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
+        cell = nbformat.v4.new_code_cell("# Parameters set by the demo\n" + "\n".join(
+            f"{name} = {values[name]!r}" for name in names))
+        cell.metadata["tags"] = ["injected-parameters"]
+        nb.cells.insert(at + 1, cell)
+    return names
+
+
+def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 1200,
+                     parameters: dict | None = None) -> float:
+    """Execute one notebook with COURSE_RUN_ROOT set and ``parameters`` injected (``inject_parameters``), save it
+    with its outputs; returns seconds taken. A failing cell raises, after the partly executed notebook is saved
+    for inspection."""
     import nbformat
     from nbclient import NotebookClient
     from traitlets.config import Config
 
     nb = nbformat.read(path, as_version=4)
+    inject_parameters(nb, parameters or {})
     previous = {k: os.environ.get(k) for k in ("COURSE_RUN_ROOT", "PYTHONPATH")}
     os.environ["COURSE_RUN_ROOT"] = str(run_root)
     # The kernel is a new process: make this checkout importable there even without `pip install -e .`.
@@ -64,28 +94,39 @@ def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 
 def main(argv=None) -> Path:
     from tqdm import tqdm
 
-    from my_utils.core.devices import device_kind, usable_cores
+    from my_utils.core.devices import device_kind
+    from my_utils.core.presets import get_preset
     from my_utils.run.config import OneLineParser, check_positive
+    from my_utils.run.launch import check_process_count, max_processes
     from my_utils.tools.compare import overview
 
     p = OneLineParser(prog="python -m my_utils demo", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", nargs="+", help="two-digit numbers of the notebooks to run (default: all)")
-    p.add_argument("--processes", type=int, default=2, help="processes for the multi-process lessons")
+    p.add_argument("--preset", default="tiny",
+                   help="the model of every lesson that declares PRESET (default: tiny; real presets want GPUs)")
+    p.add_argument("--processes", type=int,
+                   help="processes of every lesson that declares PROCESSES (default: each lesson's own, 2 where the "
+                        "machine has them; at most the GPUs, or the CPU cores without GPUs)")
     args = p.parse_args(argv)
-    check_positive("--processes", args.processes)
+    get_preset(args.preset)
+    parameters = {"PRESET": args.preset}
+    if args.processes is not None:
+        check_positive("--processes", args.processes)
+        check_process_count(args.processes)
+        parameters["PROCESSES"] = args.processes
 
     selected = notebooks(args.only)
-    count = args.processes if device_kind() == "cpu" else __import__("torch").cuda.device_count()
-    root = next_run_root(device_kind(), min(count, usable_cores()) if device_kind() == "cpu" else count)
+    root = next_run_root(device_kind(), parameters.get("PROCESSES", min(2, max_processes())))
     root.mkdir(parents=True)
-    record = Run.create(root / "demo", config={"notebooks": [nb.name for nb in selected]})
-    print(f"Running {len(selected)} notebook(s) on the tiny preset into {root.relative_to(REPO_ROOT)}/", flush=True)
+    record = Run.create(root / "demo", config={"notebooks": [nb.name for nb in selected], **parameters})
+    print(f"Running {len(selected)} notebook(s) on the {args.preset} preset into {root.relative_to(REPO_ROOT)}/",
+          flush=True)
     timings = {}
     try:
         for nb in (bar := tqdm(selected, unit="notebook", file=sys.stdout)):
             bar.set_description(nb.stem)
-            timings[nb.name] = execute_notebook(nb, root / nb.name, root)
+            timings[nb.name] = execute_notebook(nb, root / nb.name, root, parameters=parameters)
     except BaseException as e:
         record.fail(f"{type(e).__name__} in {nb.name}: {str(e)[-500:]}")
         print(f"\n{nb.name} failed; the partly executed notebook is in {root / nb.name}", file=sys.stderr)
