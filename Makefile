@@ -18,7 +18,8 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	# torch first and alone: nothing installed after it may replace it with a newer build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps -e .
+	# the course, and its TensorBoard extra: the tests read the event files of --report-to tensorboard back
+	$(PY) -m pip install --quiet -e ".[tensorboard]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

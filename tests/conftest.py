@@ -25,3 +25,23 @@ def subprocess_env(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     env["HF_HOME"] = str(tmp_path / "hf_home")  # no stray user accelerate config
     return env
+
+
+@pytest.fixture
+def tracked_losses():
+    """A function of a results folder: ({step: loss} as TensorBoard reads back the event file that holds losses
+    (--report-to tensorboard), {step: loss} of its metrics.jsonl lines that have a loss)."""
+    import json
+
+    def read(run_dir):
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        found = [EventAccumulator(str(f)).Reload() for f in sorted(Path(run_dir).rglob("events.out.tfevents.*"))]
+        with_losses = [events for events in found if "loss" in events.Tags()["scalars"]]
+        assert len(with_losses) == 1, f"one TensorBoard event file with losses expected under {run_dir}"
+        events = with_losses[0]
+        lines = map(json.loads, (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines())
+        return ({e.step: e.value for e in events.Scalars("loss")},
+                {m["step"]: m["loss"] for m in lines if "loss" in m})
+
+    return read

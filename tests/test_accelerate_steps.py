@@ -78,11 +78,12 @@ def test_base_step_runs_alone(tmp_path, subprocess_env):
 
 
 @pytest.mark.slow
-def test_complete_loop_on_two_processes_resumes_where_it_stopped(tmp_path, subprocess_env):
+def test_complete_loop_on_two_processes_resumes_where_it_stopped(tmp_path, subprocess_env, tracked_losses):
     common = ["--preset", "tiny", "--max-steps", "4", "--grad-accum", "2", "--batch-size", "2", "--max-length", "32"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     module = f"{PACKAGE}.step6_tracking"
-    _launch(module, [*common, "--save-steps", "2", "--output-dir", straight], subprocess_env)
+    _launch(module, [*common, "--save-steps", "2", "--report-to", "tensorboard", "--output-dir", straight],
+            subprocess_env)
     _launch(module, [*common, "--resume-from", straight / "checkpoints" / "step_2", "--output-dir", resumed],
             subprocess_env)
 
@@ -98,3 +99,6 @@ def test_complete_loop_on_two_processes_resumes_where_it_stopped(tmp_path, subpr
     metrics = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert metrics[-1]["loss"] == pytest.approx((full[6] + full[7]) / 2)
+    # step 6 hands --report-to to accelerate, which logs the same lines to TensorBoard
+    tensorboard, logged = tracked_losses(straight)
+    assert len(logged) == 4 and tensorboard == pytest.approx(logged)

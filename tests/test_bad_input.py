@@ -381,6 +381,9 @@ TOKEN = "hf_" + "Zq8" * 10  # token-shaped
 HOSTILE = [
     ("lora", ["--output-dir", "{run}/adapter"], "is inside the results folder .*; choose an --output-dir outside"),
     ("lora", ["--output-dir", ""], "--output-dir is empty; name a new folder"),
+    ("lora", ["--report-to", "tensorbord"], "--report-to tensorbord is not a tracker; choose from none, all, tensorboard"),
+    ("ddp", ["--report-to", "wandb"], "--report-to wandb: wandb is not installed; pip install wandb first"),
+    ("sharding", ["--report-to", "trackio"], r"trackio is not installed; pip install -e \"\.\[trackio\]\" first"),
     ("lora", ["--rank", "100000"], "LoRA rank 100000 is above the width of 'c_attn' \\(192\\)"),
     ("lora", ["--data-file", "{tmp}/null.jsonl"], "Line 1 of .* is null, not an object with instruction"),
     ("lora", ["--data-file", "{tmp}/string.jsonl"], 'Line 1 of .* is "just a string", not an object'),
@@ -434,13 +437,18 @@ def _snapshot(folder: Path) -> dict:
 @pytest.mark.parametrize("command, args, expected", HOSTILE, ids=[f"{c} {' '.join(a)}" for c, a, _ in HOSTILE])
 def test_every_command_refuses_hostile_input_in_one_sentence_and_writes_nothing(tmp_path, capsys, command, args,
                                                                                expected):
+    from importlib import import_module
+
     import my_utils.__main__
 
     _hostile_folder(tmp_path)
     before = _snapshot(tmp_path)
     argv = [a.replace("{run}", str(tmp_path / "run")).replace("{tmp}", str(tmp_path)) for a in args]
     with pytest.raises(SystemExit) as e:
-        lora.main(argv) if command == "lora" else my_utils.__main__.main([command, *argv])
+        if command in ("lora", "ddp", "sharding"):  # a workflow's own command line
+            import_module(f"my_utils.workflows.{command}").main(argv)
+        else:
+            my_utils.__main__.main([command, *argv])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert e.value.code == 2 and len(lines) == 1 and re.search(expected, lines[0]), lines
     assert_one_sentence(lines[0])

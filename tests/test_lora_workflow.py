@@ -70,11 +70,11 @@ def test_existing_output_dir_is_refused_and_left_alone(tmp_path, subprocess_env)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["none", "4bit"])
-def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, quantize):
+def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, tracked_losses, quantize):
     out_dir = tmp_path / f"lora_{quantize}"
     cmd = accelerate_command("my_utils.workflows.lora",
                              ["--preset", "tiny", "--quantize", quantize, "--max-steps", "3", "--eval-rows", "8",
-                              "--output-dir", out_dir],
+                              "--logging-steps", "1", "--report-to", "tensorboard", "--output-dir", out_dir],
                              num_processes=2, config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
     proc = subprocess.run(cmd, env=subprocess_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -93,7 +93,10 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, quantize):
     assert summary["first_batches"][0]["text"] != summary["first_batches"][1]["text"]
     assert "[rank 1/2] batch of 16 x" in proc.stdout
     assert 0 <= summary["similarity_after"] <= 1 and summary["exact_match_after"] is not None
-    assert summary["adapter_bytes"] > 0 and (out_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert summary["adapter_bytes"] == (out_dir / "adapter" / "adapter_model.safetensors").stat().st_size
+    _check_adapter_folder_stands_alone(out_dir, run, summary)
+    tensorboard, logged = tracked_losses(out_dir)  # each metrics line went to TensorBoard as well
+    assert len(logged) == 3 and tensorboard == pytest.approx(logged)
     if quantize == "4bit":
         assert summary["method"] == "qlora-4bit"
         assert summary["quantization"] == {"bits": 4, "type": "nf4", "double_quant": True,
@@ -103,6 +106,23 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, quantize):
     else:
         assert summary["quantization"] is None
         assert summary["memory"][0]["breakdown"]["weights"] >= 4 * summary["total_params"]
+
+
+def _check_adapter_folder_stands_alone(out_dir, run, summary):
+    """The adapter folder loads with peft and transformers alone, and its card says what trained it."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    adapter_dir = out_dir / "adapter"
+    card = (adapter_dir / "README.md").read_text(encoding="utf-8")
+    for fact in (f"| method | {summary['method']} |", f"| rank, alpha | {summary['rank']}, {summary['alpha']} |",
+                 f"| targets | {', '.join(summary['targets'])} |", f"| steps | {summary['steps']} of",
+                 f"| held-out loss | {summary['eval_loss_before']:.4g} -> {summary['eval_loss']:.4g} |",
+                 " ".join(run["command"]), run["commit"][:12]):
+        assert fact in card, f"the model card lacks {fact!r}:\n{card}"
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir)  # the base named in adapter_config.json
+    assert tokenizer.eos_token is not None and model.peft_config["default"].r == summary["rank"]
 
 
 @pytest.mark.parametrize("cuda, cpu_flags, quantize, expected", [

@@ -39,6 +39,7 @@ def uninterrupted(tmp_path_factory):
 def test_the_saved_adapter_is_whole_and_gives_the_sharded_models_outputs(uninterrupted):
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import load_file
+    from transformers import AutoTokenizer
 
     from my_utils.core.adapters import AdapterSpec
     from my_utils.core.models import add_lora
@@ -59,6 +60,9 @@ def test_the_saved_adapter_is_whole_and_gives_the_sharded_models_outputs(uninter
     summary = json.loads((uninterrupted / "summary.json").read_text())
     assert logits == pytest.approx(summary["probe_logits"], abs=1e-5)
     assert summary["trainable_params"] == sum(v.numel() for v in saved.values())
+    # beside it, what loading it needs and what trained it
+    assert AutoTokenizer.from_pretrained(uninterrupted / "adapter").eos_token is not None
+    assert f"| rank, alpha | {summary['rank']}, " in (uninterrupted / "adapter" / "README.md").read_text()
 
 
 @pytest.mark.slow

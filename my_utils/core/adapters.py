@@ -63,3 +63,70 @@ class AdapterSpec:
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=self.dropout,
                           bias="none", task_type=task_type, modules_to_save=modules_to_save,
                           use_rslora=self.rslora, use_dora=self.dora, fan_in_fan_out=fan_in_fan_out)
+
+
+
+# summary.json entries a model card shows, as "before -> after" where the run measured both
+_CARD_SCORES = (("held-out loss", "eval_loss_before", "eval_loss"),
+                ("held-out exact match", "exact_match_before", "exact_match_after"),
+                ("training loss", "train_loss_first", "train_loss_final"))
+
+
+def adapter_card(saved: dict, run_info: dict, summary: dict) -> str:
+    """A model card (README.md) for an adapter saved in a results folder: base model, method, rank, targets, data,
+    steps, held-out scores and the command that trained it. ``saved`` is the adapter's adapter_config.json (what
+    peft will load), ``run_info`` the run's run.json and ``summary`` its summary."""
+    config = run_info.get("config", {})
+    base = saved.get("base_model_name_or_path")
+    targets = saved.get("target_modules") or []
+    variant = "".join(name for name, key in ((" (rsLoRA)", "use_rslora"), (" (DoRA)", "use_dora")) if saved.get(key))
+    rows = [("base model", f"`{base}` (preset `{config.get('preset')}`)"),
+            ("method", summary.get("method", "lora")),
+            ("rank, alpha", f"{saved.get('r')}, {saved.get('lora_alpha')}{variant}"),
+            ("targets", targets if isinstance(targets, str) else ", ".join(sorted(targets))),
+            ("data", config.get("data_file") or f"the course's instruction data for `{config.get('preset')}`"),
+            ("steps", f"{summary.get('steps')} of {summary.get('effective_batch', '?')} examples each, on "
+                      f"{summary.get('world_size', 1)} process(es)")]
+    for label, before, after in _CARD_SCORES:
+        if summary.get(after) is not None:
+            start = f"{summary[before]:.4g} -> " if summary.get(before) is not None else ""
+            rows.append((label, f"{start}{summary[after]:.4g}"))
+    command = " ".join(str(part) for part in run_info.get("command") or [])
+    commit = f" at commit `{run_info['commit'][:12]}`" if run_info.get("commit") else ""
+    table = "\n".join(f"| {label} | {value} |" for label, value in rows)
+    return f"""---
+base_model: {base}
+library_name: peft
+tags:
+- lora
+---
+
+# LoRA adapter for `{base}`
+
+| | |
+|---|---|
+{table}
+
+Trained with `{command}`{commit}. The results folder that holds this one has the run's settings (run.json),
+metrics and summary.
+
+```python
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer
+
+model = AutoPeftModelForCausalLM.from_pretrained("path/to/adapter")  # loads the base model, then the adapter
+tokenizer = AutoTokenizer.from_pretrained("path/to/adapter")          # saved beside the adapter
+```
+"""
+
+
+def complete_adapter_folder(adapter_dir, tokenizer, run_info: dict, summary: dict) -> None:
+    """Beside an adapter peft has saved: its tokenizer, and a model card (``adapter_card``) in place of peft's
+    template, so ``AutoPeftModelForCausalLM`` and ``AutoTokenizer`` load the folder with nothing else."""
+    import json
+    from pathlib import Path
+
+    adapter_dir = Path(adapter_dir)
+    saved = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    tokenizer.save_pretrained(adapter_dir)
+    (adapter_dir / "README.md").write_text(adapter_card(saved, run_info, summary), encoding="utf-8")

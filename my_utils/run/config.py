@@ -58,6 +58,8 @@ class RunSettings:
     output_dir: str | None = setting(None, "results folder, which must not exist (default: a new one under runs/)")
     num_processes: int | None = setting(None, "world size to expect inside each worker (default: the launcher's)")
     random_init: bool = setting(False, "random weights from the shipped config (offline, no quality)")
+    report_to: tuple[str, ...] = setting((), "experiment trackers besides metrics.jsonl: tensorboard, trackio, "
+                                              "wandb, mlflow... or all (default: none)")
 
     def check_common(self):
         """Check what every workflow takes, before anything starts; returns the preset. A new run's
@@ -69,6 +71,10 @@ class RunSettings:
             raise UserError(f"--seed must be an integer from 0 to 2**32 - 1, got {self.seed!r}.")
         if self.output_dir is not None and not getattr(self, "resume", False):
             check_new_run_dir(self.output_dir)
+        if self.report_to:
+            from my_utils.run.trackers import check_report_to
+
+            check_report_to(self.report_to)
         return get_preset(self.preset)
 
 

@@ -270,7 +270,8 @@ def _agree_object(obj, world_size: int):
 
 
 @contextmanager
-def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints: str | None = None, **fields):
+def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints: str | None = None,
+                  report_to=None, **fields):
     """Open the results folder of ``cfg`` (a workflow's settings, every default already resolved: run.json records
     them as they are) and live the run: ``cfg.output_dir`` or a new folder under ``default_dir``; with
     ``cfg.resume``, the same folder continued from the newest whole checkpoint in its ``checkpoints`` subfolder.
@@ -279,13 +280,16 @@ def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints:
     finishes must call ``finish``. The process group stays up: the command line tears it down once ``train`` has
     returned (``run_main``), after the models that use it are gone (tearing gloo down under a live DDP model that
     accelerate still holds can hang).
-    ``fields`` (workflow, ...) go into run.json beside the world size, backend, devices and threads.
+    ``fields`` (workflow, ...) go into run.json beside the world size, backend, devices and threads. Every metrics
+    line also goes to the trackers ``report_to`` names (default: ``cfg.report_to``; a body that hands them to
+    accelerate itself passes ``()``).
     """
     from my_utils.core.devices import device_inventory
     from my_utils.core.models import set_threads
     from my_utils.core.printing import print0
 
     threads = set_threads()
+    report_to = getattr(cfg, "report_to", ()) if report_to is None else report_to
     checkpoint = None
     if getattr(cfg, "resume", False):
         run, folder, checkpoint = reopen_run(cfg.output_dir, checkpoints, world_size=world_size)
@@ -296,7 +300,15 @@ def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints:
                                threads_per_process=threads, **fields)
     life = Lifecycle(run, folder, world_size, checkpoint)
     with recorded(run):
-        yield life
+        if run is not None and report_to:
+            from my_utils.run.trackers import open_trackers
+
+            run.trackers = open_trackers(report_to, folder, folder.name)
+        try:
+            yield life
+        finally:
+            for tracker in run.trackers if run is not None else ():
+                tracker.finish()
         if not life.finished:
             raise RuntimeError("the workflow ended without finishing its run")  # a bug, not a user's mistake
 

@@ -160,6 +160,7 @@ class Run:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.trackers = []  # --report-to: each metrics line also goes to these (my_utils.run.trackers)
 
     @classmethod
     def create(cls, path: str | Path, *, config: dict, command: list[str] | None = None, **fields) -> "Run":
@@ -205,6 +206,11 @@ class Run:
         """Append one line to metrics.jsonl (one write per line, so a crash loses at most that line)."""
         with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record, default=str) + "\n")
+        if self.trackers:
+            from my_utils.run.trackers import numbers
+
+            for tracker in self.trackers:
+                tracker.log(numbers(record), step=record.get("step"))
 
     def keep_metrics_until(self, step: int) -> None:
         """Drop the metrics rows logged after ``step`` (atomically): a run resumed from the checkpoint of that

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.core.adapters import AdapterSpec
+from my_utils.core.adapters import AdapterSpec, complete_adapter_folder
 from my_utils.core.learning_rate import LR_SCALING
 from my_utils.core.models import QUANTIZE_CHOICES
 from my_utils.run.config import RunSettings, parse_config, setting
@@ -280,6 +280,8 @@ def train(cfg: Config) -> dict:
         if life.is_main:
             adapter_bytes = _save_adapter(trainer.model, life.folder) if cfg.method == "lora" else None
             summary = build_summary(cfg, world_size, trainer, result, life.checkpoint, measured, adapter_bytes)
+            if adapter_bytes is not None:
+                complete_adapter_folder(life.folder / "adapter", tokenizer, life.run.info, summary)
         life.finish(summary)
     return life.summary
 
@@ -374,11 +376,9 @@ def _fit(trainer, checkpoint, stop, world_size: int, timeout_s: float):
 
 
 def _save_adapter(model, folder: Path) -> int:
-    """Save the adapter (safetensors) in ``folder``/adapter; returns its size in bytes."""
-    from my_utils.core.models import folder_size
-
+    """Save the adapter (safetensors) in ``folder``/adapter; returns the size of its weights file in bytes."""
     model.save_pretrained(folder / "adapter", safe_serialization=True)
-    return folder_size(folder / "adapter")
+    return (folder / "adapter" / "adapter_model.safetensors").stat().st_size
 
 
 def _autocast_dtype(cfg: Config):

@@ -142,7 +142,8 @@ def train(cfg: Config) -> dict:
     import torch
     import torch.distributed as dist
 
-    from my_utils.core.models import check_lora_targets, folder_size
+    from my_utils.core.adapters import complete_adapter_folder
+    from my_utils.core.models import check_lora_targets, load_tokenizer
     from my_utils.run.faults import fault_settings
     from my_utils.run.lifecycle import run_lifecycle
     from my_utils.workflows.ddp_common import worker_report, write_worker_report
@@ -183,8 +184,9 @@ def train(cfg: Config) -> dict:
             summary = {"workflow": "sharded_lora", "preset": cfg.preset, "stage": cfg.stage,
                        "world_size": world_size, "steps": cfg.max_steps, "rank": cfg.adapter.rank,
                        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-                       "adapter_bytes": folder_size(life.folder / "adapter"),
+                       "adapter_bytes": (life.folder / "adapter" / "adapter_model.safetensors").stat().st_size,
                        "probe_logits": logits}
+            complete_adapter_folder(life.folder / "adapter", load_tokenizer(preset), life.run.info, summary)
         life.finish(summary)
     return life.summary
 

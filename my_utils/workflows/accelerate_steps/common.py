@@ -30,7 +30,6 @@ class Config(RunSettings):
     grad_accum: int = setting(1, "(step 4 on) batches per optimizer step")
     save_steps: int = setting(0, "(step 5 on) checkpoint every n steps; 0: at the end only")
     resume_from: str | None = setting(None, "(step 5 on) a checkpoints/step_<n> folder of a run to resume from")
-    report_to: tuple[str, ...] = setting((), "(step 6) accelerate trackers besides metrics.jsonl, e.g. tensorboard")
 
 
 def validate(cfg: Config):
@@ -54,11 +53,12 @@ def validate(cfg: Config):
 
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
-    """Every default settled, as run.json records it: the learning rate and the world size."""
+    """Every default settled, as run.json records it: the learning rate, the world size and the trackers by name."""
     from my_utils.core.learning_rate import default_learning_rate
+    from my_utils.run.trackers import check_report_to
 
     return replace(cfg, learning_rate=cfg.learning_rate or default_learning_rate(preset, "full"),
-                   num_processes=world_size)
+                   num_processes=world_size, report_to=check_report_to(cfg.report_to))
 
 
 def build(cfg: Config):
@@ -147,10 +147,11 @@ def module_name(function) -> str:
     return spec.name if spec is not None else function.__module__
 
 
-def run_step(loop, cfg: Config) -> dict:
+def run_step(loop, cfg: Config, loop_has_trackers: bool = False) -> dict:
     """Open the results folder, run ``loop(cfg, run_dir)`` (a step's training loop, which returns the per-batch
     losses averaged over processes and the seconds it trained), and write the summary. Returns the summary on
-    every rank (on rank 0 only when the loop closed the process group, as step 6's ``end_training`` does)."""
+    every rank (on rank 0 only when the loop closed the process group, as step 6's ``end_training`` does).
+    ``--report-to`` trackers get the metrics lines, unless the loop hands them to accelerate itself (step 6)."""
     import torch
     from accelerate import PartialState
 
@@ -166,7 +167,8 @@ def run_step(loop, cfg: Config) -> dict:
     check_enough_rows(len(block_dataset(preset, cfg.max_length)), cfg.batch_size * cfg.grad_accum * world_size)
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)
     default_dir = RUNS_ROOT / "accelerate_steps" / f"{step_name.rsplit('.', 1)[-1]}_{cfg.preset}_x{world_size}"
-    with run_lifecycle(cfg, world_size, default_dir=default_dir, workflow=step_name) as life:
+    with run_lifecycle(cfg, world_size, default_dir=default_dir, workflow=step_name,
+                       report_to=() if loop_has_trackers else None) as life:
         report = worker_report(device=str(PartialState().device))  # the backend read now: step 6 closes the group
         write_worker_report(life.folder, report)
         rank_print(f"world size {report['world_size']}, backend {report['backend']}, device {report['device']}")

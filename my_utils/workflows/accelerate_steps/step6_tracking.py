@@ -97,7 +97,7 @@ def training_loop(cfg: Config, run_dir) -> dict:
 
 def train(cfg: Config) -> dict:
     """Run the training loop into a results folder; returns its summary."""
-    return run_step(training_loop, cfg)
+    return run_step(training_loop, cfg, loop_has_trackers=True)
 
 
 def main(argv=None) -> dict:
