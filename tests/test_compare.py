@@ -70,8 +70,9 @@ def test_only_complete_runs_enter_the_tables(results):
 
 
 def test_speedup_groups_runs_that_differ_only_by_process_count(results):
+    fake_run(results / "benchmark" / "lora_x1_repeat", processes=1, samples_per_s=40.0)  # another folder's run
     c = compare.compare(results)
-    assert c.speedup_groups == {"lora tiny r8 Test CPU": [(1, 1.0), (2, pytest.approx(1.6))]}
+    assert c.speedup_groups == {"runs: lora tiny r8 Test CPU": [(1, 1.0), (2, pytest.approx(1.6))]}
     rows = table(c, "Speedup").rows
     header = table(c, "Speedup").header
     by_run = {r[header.index("run")]: r for r in rows}
@@ -88,7 +89,7 @@ def test_memory_batch_and_quality_tables(results):
     batch = table(c, "Batch and learning rate")
     assert {r[0]: r[batch.header.index("effective batch")] for r in batch.rows}["lora_x2"] == "8"
     quality = table(c, "Quality")
-    assert quality.rows[0][quality.header.index("exact match before -> after")] == "0.10 -> 0.50"
+    assert quality.rows[0][quality.header.index("exact match")] == "0.10 -> 0.50"
 
 
 def test_runs_with_other_versions_or_commit_are_marked(tmp_path):
@@ -100,6 +101,27 @@ def test_runs_with_other_versions_or_commit_are_marked(tmp_path):
     assert names == ["a", "b", f"c{compare.VERSIONS_MARK}{compare.COMMIT_MARK}"]
     assert any("torch 2.0.0 (others 2.13.0" in n for n in c.notes)
     assert any("other commit bbbb" in n for n in c.notes)
+
+
+def test_the_reference_comparison_fits_a_terminal_and_its_plots_stay_readable(tmp_path, capsys):
+    """The committed reference folders (two benchmark runs and the series): no line over 160 characters, a few
+    notes rather than one per run, at most 12 curves a panel, and images of sane size."""
+    import struct
+
+    from my_utils.core.plots import LEGEND_ENTRIES, loss_panels
+    from my_utils.run.results import REPO_ROOT
+
+    folders = sorted((REPO_ROOT / "runs" / "reference").iterdir())
+    compare.main([*map(str, folders), "--output-dir", str(tmp_path / "out")])
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= compare.TERMINAL_WIDTH, max(lines, key=len)
+    assert sum(line.startswith(("not compared", compare.COMMIT_MARK, compare.VERSIONS_MARK)) for line in lines) < 10
+    c = compare.compare(*folders)
+    panels = loss_panels(c.runs, c.labels)
+    assert len(panels) > 5 and max(len(runs) for _, runs in panels) <= LEGEND_ENTRIES
+    for png in (tmp_path / "out").glob("*.png"):
+        width, height = struct.unpack(">II", png.read_bytes()[16:24])  # the PNG header's IHDR
+        assert width <= 2000 and height <= 3000, (png.name, width, height)
 
 
 def test_unreadable_and_summaryless_folders_are_listed(tmp_path):

@@ -179,15 +179,56 @@ def test_a_gpu_only_engine_on_a_cpu_is_one_sentence(monkeypatch, variable, engin
     launch.check_gpu_only_launch()  # on GPUs it is what accelerate runs
 
 
+@pytest.mark.parametrize("use_cpu, refused", [(None, True), ("False", True), ("1", False), ("True", False)])
+def test_an_accelerate_launch_for_gpus_on_a_cpu_is_refused(monkeypatch, use_cpu, refused):
+    monkeypatch.setattr(launch, "is_cpu_only", lambda: True)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    launch.check_gpu_only_launch()  # not launched by accelerate (torchrun, a notebook): nothing to say
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "default")  # what accelerate launch always passes
+    if use_cpu is not None:
+        monkeypatch.setenv("ACCELERATE_USE_CPU", use_cpu)
+    if refused:
+        with pytest.raises(UserError, match="The launch config is for GPUs"):
+            launch.check_gpu_only_launch()
+    else:
+        launch.check_gpu_only_launch()
+
+
 @pytest.mark.slow
-def test_the_fsdp_config_on_a_cpu_stops_before_anything_is_written(tmp_path, subprocess_env):
+@pytest.mark.parametrize("config, processes, expected", [
+    ("fsdp.yaml", 2, "The launch config asks for FSDP, which accelerate runs only on GPUs"),
+    ("single_gpu.yaml", 1, "The launch config is for GPUs \\(use_cpu: false\\) and this machine has none"),
+    ("multi_gpu.yaml", 2, "The launch config is for GPUs \\(use_cpu: false\\) and this machine has none"),
+])
+def test_a_gpu_config_on_a_cpu_stops_before_anything_is_written(tmp_path, subprocess_env, config, processes,
+                                                                expected):
+    """The GPU configs' commands as the README shows them (no ACCELERATE_USE_CPU), on a machine without GPUs: one
+    sentence, and no training on the CPU in their place."""
+    import re
     import subprocess
 
     if not launch.is_cpu_only():
-        pytest.skip("on GPUs the FSDP config runs")
-    out = tmp_path / "fsdp"
+        pytest.skip("on GPUs these configs run")
+    out = tmp_path / "run"
+    env = {k: v for k, v in subprocess_env.items() if k != "ACCELERATE_USE_CPU"}
     cmd = launch.accelerate_command("my_utils.workflows.lora", ["--preset", "tiny", "--output-dir", out],
-                                    num_processes=2, config_file=launch.REPO_ROOT / "configs" / "fsdp.yaml")
+                                    num_processes=processes, config_file=launch.REPO_ROOT / "configs" / config)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("lora: error:")]
+    assert proc.returncode != 0 and len(said) == 1 and re.search(expected, said[0]), proc.stderr[-3000:]
+    assert not out.exists()  # it did not train as something else instead
+
+
+@pytest.mark.slow
+def test_an_error_every_rank_finds_is_printed_once(subprocess_env, tmp_path):
+    """Both ranks see a world of 2 where 3 were asked for; the job says so in one line, not one per rank, and
+    no worker prints a traceback."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "my_utils.workflows.ddp",
+           "--preset", "tiny", "--num-processes", "3", "--output-dir", str(tmp_path / "run")]
     proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "lora: error: The launch config asks for FSDP" in proc.stderr, proc.stderr[-3000:]
-    assert not out.exists()  # it did not train as plain DDP instead
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("ddp: error:")]
+    assert proc.returncode != 0 and len(said) == 1, proc.stderr[-3000:]
+    assert "sees a world of 2 process(es) but 3 were asked for" in said[0]
+    assert "[rank0]" not in proc.stderr and "[rank1]" not in proc.stderr and not (tmp_path / "run").exists()

@@ -44,52 +44,72 @@ def save(fig, path: str | Path, dpi: int = 100) -> Path:
     return path
 
 
-def loss_curves(runs: list[dict], labels: dict[str, str], path: str | Path) -> Path:
-    """Training loss against optimizer steps (left) and against samples seen (right): runs with a larger
-    effective batch take fewer steps for the same data."""
-    fig = new_figure(10, 4)
-    by_step, by_samples = fig.subplots(1, 2, sharey=True)
+LEGEND_ENTRIES = 12  # the most lines one panel labels; a folder with more runs gets more panels
+
+
+def loss_panels(runs: list[dict], labels: dict[str, str]) -> list[tuple[str, list[dict]]]:
+    """(folder, its runs) for each panel of ``loss_curves``: the runs with a loss curve (two points at least),
+    by the folder that holds them, at most ``LEGEND_ENTRIES`` a panel."""
+    folders: dict[str, list[dict]] = {}
     for run in runs:
-        points = [(m["step"], m["loss"]) for m in run["metrics"] if "loss" in m and "step" in m]
-        if not points:
-            continue
-        steps, losses = zip(*points)
-        line, = by_step.plot(steps, losses, marker=".", label=labels[run["path"]])
-        batch = run["summary"].get("effective_batch")
-        if batch:
-            by_samples.plot([s * batch for s in steps], losses, marker=".", color=line.get_color())
-    by_step.set(xlabel="optimizer step", ylabel="training loss", title="loss per step")
-    by_samples.set(xlabel="samples seen (step x effective batch)", title="loss per sample")
+        if sum("loss" in m and "step" in m for m in run["metrics"]) > 1:
+            folders.setdefault(str(Path(labels[run["path"]]).parent), []).append(run)
+    return [(folder, members[i:i + LEGEND_ENTRIES]) for folder, members in folders.items()
+            for i in range(0, len(members), LEGEND_ENTRIES)]
+
+
+def loss_curves(runs: list[dict], labels: dict[str, str], path: str | Path) -> Path:
+    """Training loss, one panel per folder of runs (a lesson's, a benchmark's; at most ``LEGEND_ENTRIES`` runs a
+    panel), so that only runs of one experiment share axes. Against samples seen (step x effective batch) where
+    every run of the panel reports its batch, as runs with a larger batch take fewer steps for the same data;
+    else against optimizer steps."""
     from matplotlib.ticker import MaxNLocator
 
-    for ax in (by_step, by_samples):
-        ax.grid(alpha=0.3)
+    panels = loss_panels(runs, labels)
+    columns = min(3, len(panels))
+    rows = -(-len(panels) // columns)
+    fig = new_figure(4.5 * columns, 3.6 * rows)
+    axes = fig.subplots(rows, columns, squeeze=False).flatten()
+    for ax, (folder, members) in zip(axes, panels):
+        per_sample = all(run["summary"].get("effective_batch") for run in members)
+        for run in members:
+            steps, losses = zip(*[(m["step"], m["loss"]) for m in run["metrics"] if "loss" in m and "step" in m])
+            scale = run["summary"]["effective_batch"] if per_sample else 1
+            ax.plot([step * scale for step in steps], losses, marker=".", label=Path(labels[run["path"]]).name)
+        ax.set(xlabel="samples seen (step x effective batch)" if per_sample else "optimizer step",
+               ylabel="training loss", title=folder if folder != "." else "runs")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    fig.legend(loc="outside lower center", ncols=min(3, max(1, len(runs))), fontsize="small")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
     return save(fig, path)
 
 
 def memory_bars(runs: list[dict], labels: dict[str, str], path: str | Path) -> Path:
-    """Peak memory of every rank of every run, one group of bars per run."""
-    fig = new_figure(max(6.0, 1.2 * len(runs) + 2), 4)
+    """Peak memory of every rank of every run: one row of bars per run, one bar per rank."""
+    measured = [run for run in runs if run["summary"].get("memory")]
+    fig = new_figure(11, 1.2 + 0.3 * sum(len(run["summary"]["memory"]) for run in measured))
     ax = fig.add_subplot()
-    measures, labelled, names = set(), set(), []
-    for i, run in enumerate(runs):
-        entries = run["summary"].get("memory") or []
-        names.append(labels[run["path"]])
-        width = 0.8 / max(1, len(entries))
+    measures, labelled, ticks, names, y = set(), set(), [], [], 0.0
+    for run in measured:
+        entries = run["summary"]["memory"]
         for j, entry in enumerate(entries):
             end = entry.get("end") or {}
             measures.add("peak allocated (CUDA)" if end.get("peak_allocated") is not None else "peak RSS (CPU process)")
             rank = entry.get("rank", j)
-            bars = ax.bar(i - 0.4 + width * (j + 0.5), peak_bytes(end) / MiB, width * 0.9, color=f"C{j % 10}",
-                          label=None if rank in labelled else f"rank {rank}")
-            ax.bar_label(bars, fmt="%.0f", fontsize="small")
+            bars = ax.barh(y + j, peak_bytes(end) / MiB, 0.8, color=f"C{rank % 10}",
+                           label=None if rank in labelled else f"rank {rank}")
+            ax.bar_label(bars, fmt="%.0f", fontsize="x-small", padding=2)
             labelled.add(rank)
-    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize="small")
-    ax.set(ylabel="MiB", title="peak memory per device: " + ", ".join(sorted(measures)))
-    ax.grid(axis="y", alpha=0.3)
-    fig.legend(loc="outside right upper", fontsize="small")
+        ticks.append(y + (len(entries) - 1) / 2)
+        names.append(labels[run["path"]])
+        y += len(entries) + 0.6
+    ax.set_yticks(ticks, names, fontsize="small")
+    ax.set_ylim(y - 0.8, -0.6)  # the first run on top, as in the tables
+    ax.set(xlabel="MiB: " + ", ".join(sorted(measures)), title="peak memory per device")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize="small", loc="lower right")
     return save(fig, path)
 
 

@@ -7,7 +7,7 @@ import os
 import sys
 
 from my_utils import UserError
-from my_utils.run.faults import RankFailure
+from my_utils.run.faults import RankFailure, first_to_say
 from my_utils.run.results import redact_secrets
 
 
@@ -26,7 +26,9 @@ def run_main(body, prefix: str = "my_utils"):
     try:
         summary = body()
     except UserError as e:  # it may quote a path or a value that holds a secret
-        print(f"{prefix}: error: {redact_secrets(str(e))}", file=sys.stderr, flush=True)
+        message = f"{prefix}: error: {redact_secrets(str(e))}"
+        if first_to_say(message):  # once per job, not once per rank
+            print(message, file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except RankFailure as e:
         # A fault, not a bug: one line, and the stopped rank ends first, so the launcher names it too.

@@ -107,6 +107,21 @@ def announce_process() -> None:
         store.set(PROCESS_KEY.format(rank=dist.get_rank()), f"{socket.gethostname()} {os.getpid()}")
 
 
+def first_to_say(message: str) -> bool:
+    """Whether this process is the first of its process group to report ``message``: an error that every rank
+    finds (too many processes for the machine, a bad option) is then printed once, not once per rank. True
+    outside a process group, or when its store cannot be reached."""
+    import hashlib
+
+    store = _store()
+    if store is None:
+        return True
+    try:
+        return store.add(f"course/said/{hashlib.sha1(message.encode()).hexdigest()}", 1) == 1
+    except Exception:  # the store's host is gone: better twice than never
+        return True
+
+
 def _processes_here(store, ranks: list[int]) -> list[int]:
     """The process ids of those of ``ranks`` that run on this machine (as they announced them)."""
     pids = []

@@ -156,13 +156,21 @@ GPU_ONLY_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "
 
 
 def check_gpu_only_launch() -> None:
-    """One sentence when the launch asked for FSDP or DeepSpeed on a machine without GPUs: accelerate runs neither
-    on a CPU, and the worker would otherwise train as plain DDP while its config says it shards."""
+    """One sentence when the launch asked for GPUs on a machine without any: FSDP or DeepSpeed (accelerate runs
+    neither on a CPU, and the worker would otherwise train as plain DDP while its config says it shards), or any
+    other GPU config of ``accelerate launch``."""
     asked = [name for key, name in GPU_ONLY_ENGINES.items() if os.environ.get(key, "").lower() == "true"]
     if asked and is_cpu_only():
         raise UserError(f"The launch config asks for {asked[0]}, which accelerate runs only on GPUs, and this machine "
                         "has none; on a CPU, ZeRO runs with torch's own FSDP2: ACCELERATE_USE_CPU=1 torchrun "
                         "--nproc_per_node 2 -m my_utils.workflows.sharding.")
+    # Started by `accelerate launch` (which always passes its dynamo settings) with a config for GPUs: on a CPU the
+    # processes would train there without a word (configs/single_gpu.yaml, multi_gpu.yaml).
+    launched_for_gpus = ("ACCELERATE_DYNAMO_MODE" in os.environ
+                         and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true"))
+    if launched_for_gpus and is_cpu_only():
+        raise UserError("The launch config is for GPUs (use_cpu: false) and this machine has none; on a CPU launch "
+                        "with ACCELERATE_USE_CPU=1 and configs/cpu_x2.yaml (configs/cpu_x1.yaml for one process).")
 
 
 def check_world_size(expected: int | None = None, timeout_s: float | None = None) -> int:
@@ -177,14 +185,14 @@ def check_world_size(expected: int | None = None, timeout_s: float | None = None
 
     from accelerate import PartialState
 
-    check_gpu_only_launch()
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
     state = PartialState(cpu=is_cpu_only(), **kwargs)
+    check_gpu_only_launch()  # once the process group is up, so that the ranks say it once (run_main)
     expected = int(os.environ.get("WORLD_SIZE", "1")) if expected is None else expected
     if state.num_processes != expected:
-        raise RuntimeError(
-            f"This worker sees a world of {state.num_processes} process(es) but {expected} were asked for; "
-            "on a CPU launch with ACCELERATE_USE_CPU=1 or a config with use_cpu: true (configs/cpu_x2.yaml)."
+        raise UserError(
+            f"This worker sees a world of {state.num_processes} process(es) but {expected} were asked for; launch "
+            f"{expected} (--nproc_per_node), on a CPU with ACCELERATE_USE_CPU=1 and configs/cpu_x2.yaml."
         )
     return state.num_processes
 

@@ -9,7 +9,7 @@ failed, interrupted, unreadable, no summary, no training figures) are listed by 
 whose library versions or git commit differ from the others are marked, because their figures are not strictly
 comparable.
 
-Speedup: runs that differ only by their number of processes (same workflow, hardware and configuration) form
+Speedup: runs that differ only by their number of processes (same workflow, hardware, configuration and folder) form
 a group; each run's samples/s is divided by the group's 1-process samples/s and set against the ideal (the
 number of processes).
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir", "resume", "timeo
 TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
 VERSIONS_MARK = "†"
 COMMIT_MARK = "‡"
+TERMINAL_WIDTH = 160  # the text tables fit it: the run column is shortened in the middle when they would not
 
 
 @dataclass
@@ -110,21 +112,32 @@ def provenance_marks(runs: list[dict], labels: dict[str, str]) -> tuple[dict[str
     common_versions = Counter(_versions_key(r) for r in runs).most_common(1)[0][0]
     common_commit = Counter(r["run"].get("commit") for r in runs).most_common(1)[0][0]
     reference = json.loads(common_versions)
+    differences: dict[str, list[str]] = {}  # one note per difference, naming the runs that have it
     for r in runs:
         if _versions_key(r) != common_versions:
             marks[r["path"]] += VERSIONS_MARK
             mine = r["run"].get("versions") or {}
             diff = ", ".join(f"{k} {mine.get(k)} (others {reference.get(k)})"
                              for k in sorted(set(mine) | set(reference)) if mine.get(k) != reference.get(k))
-            notes.append(f"{VERSIONS_MARK} {labels[r['path']]}: other library versions: {diff}")
+            differences.setdefault(f"{VERSIONS_MARK} other library versions: {diff}", []).append(labels[r["path"]])
         if r["run"].get("commit") != common_commit:
             marks[r["path"]] += COMMIT_MARK
-            notes.append(f"{COMMIT_MARK} {labels[r['path']]}: other commit {str(r['run'].get('commit'))[:10]} "
-                         f"(others {str(common_commit)[:10]})")
+            differences.setdefault(f"{COMMIT_MARK} other commit {str(r['run'].get('commit'))[:10]} (others "
+                                   f"{str(common_commit)[:10]})", []).append(labels[r["path"]])
+    notes = [f"{difference}: {name_runs(names)}" for difference, names in differences.items()]
     dirty = [labels[r["path"]] for r in runs if r["run"].get("dirty")]
     if dirty:
-        notes.append(f"made with uncommitted changes: {', '.join(dirty)}")
+        notes.append(f"made with uncommitted changes: {name_runs(dirty)}")
     return marks, notes
+
+
+def name_runs(names: list[str], shown: int = 3) -> str:
+    """Runs named in a note: all of them when few, else their count, the folder they share and the first few."""
+    if len(names) <= shown:
+        return ", ".join(names)
+    shared = os.path.commonpath(names) if all("/" in n for n in names) else ""
+    where = f" under {shared}/" if shared else ""
+    return f"{len(names)} runs{where} ({', '.join(names[:shown])}, ...)"
 
 
 # ---------------------------------------------------------------------------------------------- grouping
@@ -139,10 +152,13 @@ def hardware(run: dict) -> str:
 
 
 def experiment_key(run: dict) -> str:
-    """What must match for two runs to differ only by their number of processes."""
+    """What must match for two runs to differ only by their number of processes: the workflow, method, hardware
+    and configuration, and the folder that holds them (one lesson's or benchmark's runs: a benchmark's 1-process
+    repeats of another kind are not another group's baseline)."""
     config = {k: v for k, v in (run["run"].get("config") or {}).items() if k not in NOT_EXPERIMENT_KEYS}
     s = run["summary"]
-    return json.dumps([s.get("workflow"), s.get("method"), hardware(run), config], sort_keys=True, default=str)
+    return json.dumps([s.get("workflow"), s.get("method"), hardware(run), config, str(Path(run["path"]).parent)],
+                      sort_keys=True, default=str)
 
 
 def world_size(run: dict) -> int:
@@ -171,7 +187,7 @@ def speedup_groups(runs: list[dict]) -> list[tuple[str, list[dict], float | None
         if len({world_size(r) for r in members}) < 2:
             continue
         members.sort(key=world_size)
-        name = describe(members[0])
+        name = f"{Path(members[0]['path']).parent.name}: {describe(members[0])}"
         names[name] += 1
         if names[name] > 1:
             name = f"{name} #{names[name]}"
@@ -204,13 +220,14 @@ def runs_table(runs, name) -> Table:
     rows = []
     for r in runs:
         s = r["summary"]
-        rows.append([name(r), str(s.get("workflow") or "-"), str(s.get("method") or "-"), str(world_size(r)),
-                     _num(s.get("steps"), "{}"), _num(s.get("runtime_s"), "{:.1f} s"),
+        steps = s.get("steps") if isinstance(s.get("steps"), int) else None  # a benchmark may keep a table there
+        rows.append([name(r), str(s.get("workflow") or "-").rsplit(".", 1)[-1], str(s.get("method") or "-"),
+                     str(world_size(r)), _num(steps, "{}"), _num(s.get("runtime_s"), "{:.1f} s"),
                      _num(s.get("samples_per_s"), "{:.1f}"), _num(s.get("tokens_per_s"), "{:,.0f}"),
                      format_bytes(s.get("peak_memory_bytes")), _num(s.get("trainable_params"), "{:,}"),
                      _num(s.get("total_params"), "{:,}")])
     return Table("Runs", ["run", "workflow", "method", "procs", "steps", "runtime", "samples/s", "tokens/s",
-                          "peak mem/device", "trainable", "total params"], rows)
+                          "peak/device", "trainable", "params"], rows)
 
 
 def speedup_table(groups, name) -> Table:
@@ -267,9 +284,9 @@ def quality_table(runs, name) -> Table:
                      _arrow(s.get("accuracy_before"), s.get("accuracy_after"), "{:.2f}"),
                      format_bytes(s.get("adapter_bytes"))])
     scorers = sorted({r["summary"]["similarity_scorer"] for r in runs if r["summary"].get("similarity_scorer")})
-    return Table("Quality", ["run", "train loss first -> final", "eval loss", "exact match before -> after",
-                             "similarity before -> after", "accuracy before -> after", "adapter size"], rows,
-                 f"similarity: {'; '.join(scorers)}" if scorers else "")
+    return Table("Quality", ["run", "train loss", "eval loss", "exact match", "similarity", "accuracy", "adapter"],
+                 rows, "a -> b: first -> final (train loss), before -> after training (the scores)"
+                 + (f"; similarity: {'; '.join(scorers)}" if scorers else ""))
 
 
 def compare(*paths, root: Path | str | None = None) -> Comparison:
@@ -296,10 +313,23 @@ def compare(*paths, root: Path | str | None = None) -> Comparison:
 # ---------------------------------------------------------------------------------------------- rendering
 
 
-def text_table(header: list[str], rows: list[list[str]]) -> str:
+def text_table(header: list[str], rows: list[list[str]], width: int = TERMINAL_WIDTH) -> str:
+    """Aligned columns, at most ``width`` characters a line: a first column (the run) too long for that is
+    shortened in the middle, keeping both ends of each name."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    room = width - (sum(widths[1:]) + 2 * (len(widths) - 1))
+    if widths[0] > room:
+        widths[0] = max(room, len(header[0]), 12)
+        rows = [[_shorten(r[0], widths[0]), *r[1:]] for r in rows]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _shorten(text: str, width: int) -> str:
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -316,11 +346,15 @@ def render(comparison: Comparison, markdown: bool = False, images: dict[str, str
             parts.append(f"### {t.title}\n\n{markdown_table(t.header, t.rows)}"
                          + (f"\n\n{t.caption}" if t.caption else ""))
         else:
-            parts.append(f"{t.title}\n{text_table(t.header, t.rows)}" + (f"\n({t.caption})" if t.caption else ""))
+            caption = "\n" + textwrap.fill(f"({t.caption})", TERMINAL_WIDTH) if t.caption else ""
+            parts.append(f"{t.title}\n{text_table(t.header, t.rows)}{caption}")
     if images:
         parts.append("\n".join(f"![{title}]({file})" if markdown else f"{title}: {file}"
                                 for title, file in images.items()))
-    lines = [f"not compared ({reason}): {label}" for label, reason in comparison.left_out] + comparison.notes
+    left_out: dict[str, list[str]] = {}
+    for label, reason in comparison.left_out:
+        left_out.setdefault(reason, []).append(label)
+    lines = [f"not compared ({reason}): {name_runs(labels)}" for reason, labels in left_out.items()] + comparison.notes
     if lines:
         parts.append("\n".join(f"- {x}" for x in lines) if markdown else "\n".join(lines))
     return "\n\n".join(parts)
