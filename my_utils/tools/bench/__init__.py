@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import textwrap
 from dataclasses import fields
 from pathlib import Path
@@ -124,11 +125,14 @@ def main(argv=None) -> list[dict] | None:
         return workers()[argv[0]](argv[1:])
     names, settings = parse_args(argv)
     rows, folders = [], []
-    for name in names:
+    started = time.perf_counter()
+    for i, name in enumerate(names, start=1):
+        print(f"[{i}/{len(names)}] {name} ({time.perf_counter() - started:.0f} s elapsed)", flush=True)
         folder, found = run_benchmark(name, settings, argv)
         rows += found
         folders.append(folder)
-        print(f"{name}: {folder}", flush=True)
+        print(f"[{i}/{len(names)}] {name} done: {folder}", flush=True)
+    print(f"\n{len(names)} benchmark(s) in {time.perf_counter() - started:.0f} s")
     print("\n" + render_table(rows))
     print("\nresults folders:\n" + "\n".join(f"  {f}" for f in folders))
     return rows
