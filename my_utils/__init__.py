@@ -1,7 +1,7 @@
 """Helpers for the fine-tuning course.
 
 Importing this package is cheap: it imports no torch-heavy training libraries (peft, trl, bitsandbytes,
-``transformers.Trainer``), never touches CUDA, and only hides four library notices (below). Import the
+``transformers.Trainer``), never touches CUDA, only hides four library notices and shows one repeated notice once (below). Import the
 submodules you need::
 
     from my_utils.core.printing import print0, rank_print
@@ -23,6 +23,25 @@ for _notice in (r"`is_gradient_checkpointing` is deprecated", r"`isinstance\(tre
 # its absence; it then uses its own CPU kernel, which is what the course measures.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: "kernels-community" not in record.getMessage())
+
+
+class _FirstTimeOnly(logging.Filter):
+    """Lets a log record that contains ``text`` through the first time in this process, and drops the repeats."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text, self.seen = text, False
+
+    def filter(self, record) -> bool:
+        if self.text not in record.getMessage():
+            return True
+        first, self.seen = not self.seen, True
+        return first
+
+
+# accelerate's save_state says, at every checkpoint, that GPT-2's output layer shares the embedding's weights and is
+# saved once; harmless (a resume ties them again), and lesson 03 explains it after its first appearance.
+logging.getLogger("accelerate.utils.other").addFilter(_FirstTimeOnly("Removed shared tensor"))
 
 
 class UserError(ValueError):

@@ -1,6 +1,8 @@
 """Every numbered notebook executes top to bottom on the tiny preset; each ends with cells that assert what
 its lesson claims, so a notebook whose claim stops holding fails here."""
 
+import re
+
 import pytest
 
 from my_utils.tools.demo import declared_parameters, execute_notebook, notebooks
@@ -9,9 +11,25 @@ from my_utils.tools.demo import declared_parameters, execute_notebook, notebooks
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", notebooks(), ids=lambda p: p.stem)
 def test_notebook_executes_and_its_claims_hold(notebook, tmp_path):
+    import nbformat
+
     out = tmp_path / notebook.name
     execute_notebook(notebook, out, run_root=tmp_path / "runs", timeout=600)
-    assert out.is_file()
+    unexplained = unexplained_warnings(nbformat.read(out, as_version=4))
+    assert not unexplained, f"warnings the lesson does not explain (quote them in its text): {unexplained}"
+
+
+# A warning in a cell's output: Python's (UserWarning: ...), torch's C++ ones ([W... or W1126 ...), and the library
+# notices known to appear in these lessons.
+WARNING_LINE = re.compile(r"\w+Warning: |^\[?W\d{4}|^\[W |Removed shared tensor")
+
+
+def unexplained_warnings(nb) -> list[str]:
+    """The warning lines of an executed notebook's outputs that its text does not quote (in double quotes)."""
+    quoted = [q for c in nb.cells if c.cell_type == "markdown" for q in re.findall(r'"([^"]{12,})"', c.source)]
+    lines = [line.strip() for c in nb.cells if c.cell_type == "code" for o in c.outputs
+             if o.output_type == "stream" for line in o.text.splitlines()]
+    return [line for line in lines if WARNING_LINE.search(line) and not any(q in line for q in quoted)]
 
 
 def test_notebooks_are_committed_without_outputs():
@@ -73,3 +91,15 @@ def test_the_demo_sets_the_parameters_a_lesson_declares_and_only_those(tmp_path)
     executed = nbformat.read(tmp_path / "out.ipynb", as_version=4)
     assert [c.metadata.get("tags") for c in executed.cells] == [["parameters"], ["injected-parameters"], None]
     assert executed.cells[-1].outputs[0]["text"] == "gpt2 3 False\n"
+
+
+def test_a_warning_counts_as_explained_only_when_the_lesson_quotes_it():
+    import nbformat
+
+    output = nbformat.v4.new_output("stream", name="stderr", text="x.py:3: FutureWarning: `foo` is deprecated\nok\n")
+    cell = nbformat.v4.new_code_cell("run()", outputs=[output])
+    silent = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("We run it."), cell])
+    assert unexplained_warnings(silent) == ["x.py:3: FutureWarning: `foo` is deprecated"]
+    explained = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell('It prints "FutureWarning: `foo` is deprecated", which is harmless.'), cell])
+    assert unexplained_warnings(explained) == []

@@ -1,0 +1,11 @@
+"""The code, tests, scripts and lessons pass ruff with the project's configuration (pyproject.toml)."""
+
+import subprocess
+import sys
+
+from my_utils.run.results import REPO_ROOT
+
+
+def test_ruff_passes():
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
