@@ -97,6 +97,8 @@ def training_loop(cfg: Config, run_dir) -> dict:
 
 def train(cfg: Config) -> dict:
     """Run the training loop into a results folder; returns its summary."""
+    # New Code # tracking
+    # the loop hands --report-to to accelerate itself (log_with above), so the results folder does not as well
     return run_step(training_loop, cfg, loop_has_trackers=True)
 
 
