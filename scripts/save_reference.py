@@ -4,8 +4,8 @@
     python scripts/save_reference.py runs/bench cpu_bench         # -> runs/reference/cpu_bench/
 
 Kept: run.json, summary.json, metrics.jsonl, logs, tables, plots and executed notebooks (the files a comparison or a
-reader needs). Left out: checkpoints and weights (``*.safetensors``, ``*.bin``, ``*.pt``), which anyone can regenerate
-and which would bloat the repository. Absolute paths of the machine that ran the folder are made relative to the
+reader needs). Left out: checkpoints and weights (``*.safetensors``, ``*.bin``, ``*.pt``) and the tokenizer copied beside each
+adapter, which anyone can regenerate and which would bloat the repository. Absolute paths of the machine that ran the folder are made relative to the
 repository (and the Python installation, seen in warnings, becomes ``<python>``), so the committed records name only
 the project's own files. The destination must not exist.
 """
@@ -22,12 +22,15 @@ REFERENCE = REPO_ROOT / "runs" / "reference"
 KEEP = {".json", ".jsonl", ".md", ".txt", ".log", ".csv", ".png", ".svg", ".ipynb", ".yaml"}
 TEXT = KEEP - {".png"}
 SKIP_DIRS = ("checkpoint", "checkpoints")  # prefixes of folder names holding resumable training state
+# the tokenizer saved beside each adapter: a copy of the preset's, not a record of the run
+TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json"}
 MAX_BYTES = 2 << 20  # a larger record is almost surely not one (an embedded model, a data dump)
 
 
 def kept_files(source: Path) -> list[Path]:
     return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix in KEEP and p.stat().st_size <= MAX_BYTES
-                  and not any(part.startswith(SKIP_DIRS) for part in p.relative_to(source).parts[:-1]))
+                  and not any(part.startswith(SKIP_DIRS) for part in p.relative_to(source).parts[:-1])
+                  and not (p.parent.name == "adapter" and p.name in TOKENIZER_FILES))
 
 
 def save(source: Path, name: str) -> Path:
