@@ -119,6 +119,11 @@ def test_quick_run_writes_results_folders_with_every_ratio(tmp_path, subprocess_
         for row in summary["ratios"]:
             assert row["baseline"] and math.isfinite(row["ratio"]) and row["ratio"] > 0, row
             assert f"{row['ratio']:.3f}" in out.stdout and row["baseline"] in out.stdout
+    # overall progress, the duration, and a word on any target a smoke run misses
+    assert "[1/2] overhead" in out.stdout and "[2/2] memory done" in out.stdout and "2 benchmark(s) in" in out.stdout
+    missed = [r for name in ("overhead", "memory")
+              for r in json.loads((tmp_path / name / "summary.json").read_text())["ratios"] if r["met"] is False]
+    assert ("MISSED under --quick says nothing" in out.stdout) == bool(missed)
     overhead = json.loads((tmp_path / "overhead" / "summary.json").read_text())
     # the workflow and the bare loop trained on the same batching, each in its own fresh process
     assert overhead["sampling"] == overhead["course"][0]["settings"]["sampling"] == overhead["bare"][0]["sampling"]
