@@ -1,0 +1,55 @@
+"""What only a machine with GPUs exercises, skipped elsewhere (as accelerate's ``require_cuda`` tests are): DDP over
+nccl, the GPU configs launched through accelerate (FSDP2, DeepSpeed ZeRO-2 and ZeRO-3), and CUDA's memory counters.
+
+    pytest -m gpu        # on a machine with 2 or more GPUs (DeepSpeed's: pip install -e ".[deepspeed]")
+"""
+
+import importlib.util
+import json
+import subprocess
+
+import pytest
+
+from my_utils.run.launch import REPO_ROOT, accelerate_command, clean_env
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(_gpus() < 2, reason="needs 2 or more GPUs")]
+TINY = ["--preset", "tiny", "--max-steps", "2", "--batch-size", "2"]
+
+
+def _launch(module: str, config: str, run_dir, *extra) -> list[dict]:
+    """Launch ``module`` on 2 GPUs through ``configs/<config>``; returns what each worker reported."""
+    cmd = accelerate_command(module, [*TINY, *extra, "--output-dir", run_dir], num_processes=2,
+                             config_file=REPO_ROOT / "configs" / config)
+    proc = subprocess.run(cmd, env=clean_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "complete"
+    return [json.loads(p.read_text()) for p in sorted((run_dir / "workers").glob("rank_*.json"))]
+
+
+def test_ddp_runs_over_nccl_one_gpu_per_process(tmp_path):
+    workers = _launch("my_utils.workflows.ddp", "multi_gpu.yaml", tmp_path / "run")
+    assert [w["world_size"] for w in workers] == [2, 2] and {w["backend"] for w in workers} == {"nccl"}
+    assert sorted(w["model_device"] for w in workers) == ["cuda:0", "cuda:1"]
+
+
+@pytest.mark.parametrize("config", ["fsdp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
+def test_the_sharded_gpu_configs_train_through_accelerate(tmp_path, config):
+    if config.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip('DeepSpeed is an extra: pip install -e ".[deepspeed]"')
+    workers = _launch("my_utils.workflows.accelerate_steps.step6_tracking", config, tmp_path / "run")
+    assert [w["world_size"] for w in workers] == [2, 2] and {w["backend"] for w in workers} == {"nccl"}
+
+
+def test_cuda_memory_counters_fill_every_rank_report(tmp_path):
+    _launch("my_utils.workflows.lora", "multi_gpu.yaml", tmp_path / "run", "--eval-rows", "8")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for report in summary["memory"]:
+        end = report["end"]
+        assert end["device"].startswith("cuda") and end["peak_allocated"] >= report["breakdown"]["weights"] > 0
