@@ -68,45 +68,6 @@ def test_table_is_built_from_complete_classification_folders_only(tmp_path):
         classification_table(tmp_path / "failed")
 
 
-@pytest.mark.slow
-def test_one_device_ddp_and_pipeline_do_the_same_arithmetic(tmp_path, subprocess_env):
-    import sys
-
-    from my_utils.run.launch import accelerate_command, run_command
-    from my_utils.run.results import load_run
-
-    args = ["--preset", "tiny", "--method", "lora", "--max-steps", 4, "--eval-steps", 2, "--eval-rows", 32]
-    summaries = {}
-    for parallel in ("none", "ddp", "pipeline"):
-        out = tmp_path / parallel
-        # the same global batch of 8: DDP's 2 processes take 4 each; the pipeline is one replica
-        my_args = [*args, "--parallel", parallel, "--output-dir", out, "--batch-size", 4 if parallel == "ddp" else 8]
-        if parallel == "none":
-            cmd = [sys.executable, "-m", "my_utils.workflows.classification", *map(str, my_args)]
-        else:
-            cmd = accelerate_command("my_utils.workflows.classification", [*my_args, "--num-processes", 2],
-                                     num_processes=2)
-        run_command(cmd, env=subprocess_env)
-        summaries[parallel] = load_run(out)["summary"]
-    one, ddp, pipe = summaries["none"], summaries["ddp"], summaries["pipeline"]
-    assert one["world_sizes_seen"] == [1] and ddp["world_sizes_seen"] == [2, 2] and pipe["world_sizes_seen"] == [2, 2]
-    assert len(ddp["peak_memory_per_rank"]) == 2
-    assert one["num_labels"] == 4  # the tiny set's classes: chance is a quarter
-    assert one["effective_batch"] == ddp["effective_batch"] == pipe["effective_batch"] == 8
-    for other in (ddp, pipe):  # same batches, same initial weights, no dropout: the same numbers
-        assert other["train_loss_first"] == pytest.approx(one["train_loss_first"], abs=1e-4)
-        assert other["train_loss_final"] == pytest.approx(one["train_loss_final"], abs=1e-3)
-        assert [s for s, _ in other["eval_curve"]] == [s for s, _ in one["eval_curve"]] == [0, 2, 4]
-    assert sum(pipe["trainable_params_per_rank"]) == one["trainable_params"] == ddp["trainable_params_per_rank"][0]
-    table = classification_table(tmp_path)
-    assert all(p in table for p in ("none", "ddp", "pipeline"))
-    # the general comparison shows accuracy before -> after, as it shows exact match for the LoRA lessons
-    from my_utils.tools.compare import overview
-
-    after = f"{one['eval_curve'][0][1]:.2f} -> {one['eval_curve'][-1][1]:.2f}"
-    assert any(line.startswith("none") and after in line for line in overview(tmp_path, root=tmp_path).splitlines())
-
-
 def test_the_parser_is_made_from_the_config():
     from my_utils.workflows.classification import parse_args
 

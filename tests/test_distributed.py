@@ -108,13 +108,12 @@ def _notebook_launcher(module, args_dir):
     return [sys.executable, "-c", code]
 
 
-# Each launcher once, and each DDP workflow (the raw torch loop, the Trainer) under launchers of both kinds: the
-# lessons launch the LoRA and accelerate workflows through all three as well.
+# Each launcher once, and each DDP workflow (the raw torch loop, the Trainer): the lessons launch the DDP, LoRA
+# and accelerate workflows through all three as well, and check the world size each worker saw.
 LAUNCHES = [
     ("notebook_launcher", "my_utils.workflows.ddp"),
     ("accelerate", "my_utils.workflows.ddp_trainer"),
     ("torchrun", "my_utils.workflows.ddp"),
-    ("torchrun", "my_utils.workflows.ddp_trainer"),
 ]
 
 
