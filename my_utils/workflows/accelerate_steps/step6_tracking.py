@@ -90,8 +90,7 @@ def training_loop(cfg: Config, run_dir) -> dict:
             if done == cfg.max_steps or (cfg.save_steps and done % cfg.save_steps == 0):
                 accelerator.save_state(checkpoint_dir(run_dir, done))
     # New Code # tracking
-    # close the trackers (flush files, end the remote run)
-    accelerator.end_training()
+    accelerator.end_training()  # close the trackers (flush files, end the remote run)
     return {"losses": losses, "seconds": time.perf_counter() - started}
 
 
