@@ -46,3 +46,8 @@ logging.getLogger("accelerate.utils.other").addFilter(_FirstTimeOnly("Removed sh
 
 class UserError(ValueError):
     """Bad input from the user: the message is one sentence saying what is wrong and what to do."""
+
+
+class NothingToDo(UserError):
+    """What was asked is already done (``--resume`` of a complete run): one sentence, and exit code 0, so that a
+    retry loop around the command ends."""

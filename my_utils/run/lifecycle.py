@@ -18,7 +18,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from my_utils import UserError
+from my_utils import NothingToDo, UserError
 from my_utils.run.checkpoints import checkpoint_step, find_resume_checkpoint, set_aside_incomplete
 from my_utils.run.results import Run, check_new_run_dir, now, owner_alive, read_json, redact_secrets, unique_dir
 
@@ -73,7 +73,7 @@ def check_resumable(run_dir: str | Path, config: dict, may_differ=()) -> dict:
         raise UserError(f"{run_dir / 'run.json'} is unreadable, so the run cannot be resumed; start a new run "
                         "with another --output-dir.") from None
     if info.get("status") == "complete":
-        raise UserError(f"The run in {run_dir} is already complete; there is nothing to resume.")
+        raise NothingToDo(f"The run in {run_dir} is already complete; there is nothing to resume.")
     if info.get("status") == "running" and owner_alive(info):
         raise UserError(f"The run in {run_dir} is still running (process {info['pid']}); let it finish or stop it "
                         "before resuming.")
