@@ -108,12 +108,12 @@ def _notebook_launcher(module, args_dir):
     return [sys.executable, "-c", code]
 
 
-# Each launcher once, and each DDP workflow (the raw torch loop, the Trainer): the lessons launch the DDP, LoRA
-# and accelerate workflows through all three as well, and check the world size each worker saw.
+# notebook_launcher and accelerate, each with a DDP workflow (the raw torch loop, the Trainer); torchrun runs the
+# README's DDP line (tests/test_readme_commands.py). The lessons launch the DDP, LoRA and accelerate workflows
+# through all three as well, and check the world size each worker saw.
 LAUNCHES = [
     ("notebook_launcher", "my_utils.workflows.ddp"),
     ("accelerate", "my_utils.workflows.ddp_trainer"),
-    ("torchrun", "my_utils.workflows.ddp"),
 ]
 
 

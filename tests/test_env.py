@@ -49,3 +49,38 @@ def test_json_output(subprocess_env):
     assert info["devices"][0]["kind"] == "cpu" and info["devices"][0]["total_memory"] > 0
     assert info["versions"]["torch"].startswith("2.13.0")
     assert info["environment"]["OMP_NUM_THREADS"] == "1"
+
+
+def _machines(ip, port=29500, **more):
+    return {"num_machines": 2, "main_process_ip": ip, "main_process_port": port, **more}
+
+
+@pytest.mark.parametrize("settings, rank, message", [
+    (_machines("10.0.0.1"), 0, "10.0.0.1 in x.yaml is not an address of this machine"),  # the shipped placeholder
+    (_machines("machine-0.invalid"), 1, r"is not an address \(it does not resolve\)"),
+    (_machines(None), 1, "sets no main_process_ip"),
+    (_machines("127.0.0.1"), 2, "--machine-rank must be from 0 to 1"),
+    ({"num_machines": 1}, 0, "is a config for one machine"),
+])
+def test_a_rendezvous_that_cannot_work_is_one_sentence(settings, rank, message):
+    with pytest.raises(UserError, match=message):
+        env.check_rendezvous("x.yaml", settings, rank)
+
+
+def test_the_rendezvous_is_checked_from_both_ends(monkeypatch):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as machine_0:
+        port = machine_0.getsockname()[1]
+        assert "machine 0 answers" in env.check_rendezvous("x.yaml", _machines("127.0.0.1", port), 1)
+        with pytest.raises(UserError, match=f"Port {port} is in use"):  # machine 0 could not host it
+            env.check_rendezvous("x.yaml", _machines("127.0.0.1", port), 0)
+    assert "can host it" in env.check_rendezvous("x.yaml", _machines("127.0.0.1", port), 0)
+    assert "nothing listens" in env.check_rendezvous("x.yaml", _machines("127.0.0.1", port), 1)
+
+    def no_route(*args, **kwargs):
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", no_route)
+    with pytest.raises(UserError, match="cannot be reached from this machine within 3 s"):
+        env.check_rendezvous("x.yaml", _machines("127.0.0.1", port), 1)

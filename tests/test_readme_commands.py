@@ -1,7 +1,7 @@
-"""Every command the README shows still names a module, flags, values, presets and configs that exist, so the
-README cannot rot: workflows' command lines are parsed (nothing trains), the planner and ``env`` run for real, the
-long-running tools (demo, sweep, bench) have their options parsed, and the configs named exist. The CPU launches
-themselves run in tests/test_configs.py."""
+"""The README cannot rot: every command it shows names a module, flags, values, presets and configs that exist
+(workflows' command lines are parsed, the planner and ``env`` run for real, the long-running tools' options are
+parsed), and every shell line that runs on a CPU (``--preset tiny``) runs as written, in the README's order, from
+a copy of the repository, with ``--max-steps 2`` added to keep it short."""
 
 import re
 import shlex
@@ -14,11 +14,18 @@ from my_utils.run.results import REPO_ROOT
 LAUNCHERS = ("accelerate launch", "torchrun", "python -m my_utils")
 
 
-def readme_commands() -> list[str]:
-    """The commands of the README's bash blocks and of its inline code that starts with a launcher."""
+def readme_shell_lines() -> list[str]:
+    """The lines of the README's bash blocks, in order, without comments."""
     text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    lines = [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
-             for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    return [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
+            for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's bash blocks (each side of ``&&``) and of its inline code that starts with a
+    launcher."""
+    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    lines = [command for line in readme_shell_lines() for command in line.split(" && ")]
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     inline = [" ".join(code.split()) for code in re.findall(r"`([^`]+)`", prose)]
     return [c for c in dict.fromkeys(lines + inline)
@@ -58,7 +65,9 @@ def test_every_readme_command_names_what_exists(command, tmp_path, monkeypatch):
         return
     tool, options = args[0], args[1:]
     monkeypatch.chdir(tmp_path)  # nothing a tool writes lands in the checkout
-    if tool in ("plan", "env"):  # fast: run them as shown
+    if "--machine-rank" in options:  # stops at the shipped placeholder address: the test below
+        assert (REPO_ROOT / options[options.index("--config") + 1]).is_file()
+    elif tool in ("plan", "env"):  # fast: run them as shown
         import_module("my_utils.__main__").main(args)
     elif tool == "sweep":
         import_module("my_utils.tools.sweep").parse_args(options)
@@ -71,3 +80,73 @@ def test_every_readme_command_names_what_exists(command, tmp_path, monkeypatch):
         with pytest.raises(SystemExit) as e:
             import_module("my_utils.__main__").main([tool, "--help"])
         assert e.value.code == 0
+
+
+# ------------------------------------------------------------------------------ the CPU lines, run as written
+
+def processes_asked(line: str) -> int:
+    """How many processes a shell line starts: torchrun's --nproc_per_node, the config's num_processes, else 1."""
+    words = shlex.split(line)
+    if "--nproc_per_node" in words:
+        return int(words[words.index("--nproc_per_node") + 1])
+    if "--config_file" in words:
+        import yaml
+
+        return yaml.safe_load((REPO_ROOT / words[words.index("--config_file") + 1]).read_text())["num_processes"]
+    return 1
+
+
+@pytest.fixture
+def repository_copy(tmp_path):
+    """The package, configs and README copied, the assets linked: the README's commands run from its root and
+    write their default results folders under its runs/, not the checkout's."""
+    import shutil
+
+    copy = tmp_path / "repository"
+    copy.mkdir()
+    shutil.copytree(REPO_ROOT / "my_utils", copy / "my_utils", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO_ROOT / "configs", copy / "configs")
+    (copy / "assets").symlink_to(REPO_ROOT / "assets")
+    return copy
+
+
+@pytest.mark.slow
+def test_the_readme_cpu_lines_run_as_written(repository_copy, subprocess_env):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in subprocess_env.items() if k not in ("ACCELERATE_USE_CPU", "PYTHONPATH")}
+    env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env['PATH']}"  # python, accelerate, torchrun
+    lines = [line for line in readme_shell_lines() if "--preset tiny" in line]
+    assert len(lines) >= 8, lines  # the CPU launches and the resume block
+    seen = set()
+    for line in lines:
+        proc = subprocess.run(f"{line} --max-steps 2", shell=True, env=env, cwd=repository_copy,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{line}\n{proc.stderr[-3000:]}"
+        assert "Traceback" not in proc.stderr, f"{line}\n{proc.stderr[-3000:]}"
+        runs = {p.parent for p in (repository_copy / "runs").rglob("run.json")} - seen
+        if "--resume" in line:  # the run it resumes finished: one sentence, exit 0, nothing new
+            assert not runs and proc.stderr.count("is already complete; there is nothing to resume") == 1, line
+            continue
+        assert len(runs) == 1, f"{line}: one new results folder expected, found {sorted(runs)}"
+        info = json.loads((runs.pop() / "run.json").read_text())
+        assert info["status"] == "complete" and info["world_size"] == processes_asked(line), (line, info)
+        seen = {p.parent for p in (repository_copy / "runs").rglob("run.json")}
+    for workers in (repository_copy / "runs").rglob("workers"):  # the DDP lesson: what every worker saw
+        assert sorted(json.loads(p.read_text())["world_size"] for p in workers.glob("rank_*.json")) == [2, 2]
+
+
+def test_the_readme_multi_node_line_stops_at_the_shipped_placeholder_in_seconds(subprocess_env):
+    import subprocess
+    import sys
+
+    (line,) = [line for line in readme_shell_lines() if "multi_node.yaml" in line]
+    check = line.split(" && ")[0]
+    assert check.startswith("python -m my_utils env") and "--machine-rank 0" in check
+    proc = subprocess.run([sys.executable, *check.split()[1:]], env=subprocess_env, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "is not an address of this machine" in lines[0], proc.stderr

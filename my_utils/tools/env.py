@@ -4,12 +4,17 @@
     python -m my_utils env                              # tables
     python -m my_utils env --config configs/cpu_x2.yaml  # the settings of a shipped config instead
     python -m my_utils env --json                       # the same, as JSON (e.g. to attach to a bug report)
+    python -m my_utils env --config configs/multi_node.yaml --machine-rank 1   # can this machine join machine 0?
+
+A launch over several machines whose ``main_process_ip`` is wrong waits in torch's rendezvous for many minutes
+before it fails, and no course code runs before that; ``--machine-rank`` checks the address within seconds.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 from my_utils import UserError
@@ -37,6 +42,50 @@ def read_accelerate_config(path: str | Path) -> dict:
     if not isinstance(settings, dict):
         raise UserError(f"Accelerate config {path} is not a mapping of settings; run `accelerate config` to write one.")
     return settings
+
+
+def check_rendezvous(config_path: str | Path, settings: dict, machine_rank: int, timeout_s: float = 3.0) -> str:
+    """Whether this machine, as ``machine_rank``, can take part in the config's rendezvous at
+    ``main_process_ip:main_process_port``: machine 0 hosts it, so the address must be one of its own and the port
+    free; the other machines must reach it. Returns what was found; a problem is one sentence (UserError)."""
+    machines = int(settings.get("num_machines") or 1)
+    if machines < 2:
+        raise UserError(f"{config_path} is a config for one machine; --machine-rank checks configs of several "
+                        "(num_machines: 2 or more), such as configs/multi_node.yaml.")
+    if not 0 <= machine_rank < machines:
+        raise UserError(f"--machine-rank must be from 0 to {machines - 1} for the {machines} machines of "
+                        f"{config_path}, got {machine_rank}.")
+    host, port = settings.get("main_process_ip"), int(settings.get("main_process_port") or 29500)
+    if not host:
+        raise UserError(f"{config_path} sets no main_process_ip; set it to the address of machine 0.")
+    try:
+        address = socket.getaddrinfo(str(host), port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError):
+        raise UserError(f"main_process_ip {host} in {config_path} is not an address (it does not resolve); set it "
+                        "to the address of machine 0 (`hostname -I` there lists them).") from None
+    family, _, _, _, (ip, *_) = address
+    if machine_rank == 0:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((ip, port))
+            except OSError as e:
+                if e.errno == 98:  # EADDRINUSE
+                    raise UserError(f"Port {port} is in use on this machine; set main_process_port in {config_path} "
+                                    "to a free port, on every machine.") from None
+                raise UserError(f"main_process_ip {host} in {config_path} is not an address of this machine, yet "
+                                "machine 0 hosts the rendezvous there; set it to this machine's address (`hostname "
+                                "-I` lists them), or pass this machine's own --machine-rank.") from None
+        return f"rendezvous: this machine (0) can host it at {host}:{port}"
+    try:
+        socket.create_connection((ip, port), timeout=timeout_s).close()
+        return f"rendezvous: machine 0 answers at {host}:{port}"
+    except ConnectionRefusedError:
+        return (f"rendezvous: {host} answers but nothing listens on port {port} yet; the launch waits for machine "
+                "0's")
+    except OSError:
+        raise UserError(f"Machine 0 at {host}:{port} (main_process_ip in {config_path}) cannot be reached from this "
+                        f"machine within {timeout_s:g} s; set its address as this machine sees it, and open the "
+                        "port between the machines.") from None
 
 
 def torch_build() -> dict:
@@ -91,7 +140,8 @@ def render(env: dict) -> str:
     variables_text = (text_table(["variable", "value"], variables) if variables
                       else "environment variables: none of " + ", ".join(ENV_VARS) + " is set")
     return "\n\n".join([text_table(["device", "name", "cores", "memory"], devices),
-                        text_table(["library", "version"], versions), config_text, variables_text])
+                        text_table(["library", "version"], versions), config_text, variables_text,
+                        *filter(None, [env.get("rendezvous")])])
 
 
 def main(argv=None) -> None:
@@ -102,7 +152,14 @@ def main(argv=None) -> None:
     p = OneLineParser(prog="python -m my_utils env", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="show this accelerate config file instead of the default one")
+    p.add_argument("--machine-rank", type=int, help="with a config of several machines: check within seconds that "
+                   "this machine, as this rank, can host (0) or reach (others) the rendezvous at main_process_ip")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = p.parse_args(argv)
+    if args.machine_rank is not None and not args.config:
+        raise UserError("--machine-rank checks a config of several machines; pass it with --config, e.g. --config "
+                        "configs/multi_node.yaml.")
     env = environment(args.config)
+    if args.machine_rank is not None:
+        env["rendezvous"] = check_rendezvous(args.config, env["accelerate_config"]["settings"], args.machine_rank)
     print(json.dumps(env, indent=2, default=str) if args.json else render(env))
