@@ -135,3 +135,35 @@ def test_quick_run_writes_results_folders_with_every_ratio(tmp_path, subprocess_
     assert steps["lora"]["gradient_bytes"] < steps["full"]["gradient_bytes"] / 10  # only adapters train
     assert steps["lora_ckpt"]["saved_activation_bytes"] < steps["lora"]["saved_activation_bytes"]
     assert [r["target"] for r in memory["ratios"] if r["target"]] == ["<= 0.5", "<= 0.35"]
+
+
+def test_a_folder_left_by_a_stopped_bench_is_replaced_and_nothing_else_is(tmp_path, capsys):
+    from my_utils.run.results import Run
+    from my_utils.tools.bench.harness import benchmark_folder
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+    def left(folder, status, pid=None, benchmark="trainer"):
+        run = Run.create(folder, config={}, benchmark=benchmark)
+        if status == "complete":
+            run.finish({})
+        else:
+            run.update(status=status, pid=int(pid or gone))
+        return run
+
+    left(tmp_path / "trainer", "complete")
+    assert benchmark_folder(tmp_path, "trainer") == tmp_path / "trainer_2"  # a finished one is kept
+    killed = left(tmp_path / "trainer_2", "running")  # its process is gone: crashed
+    (killed.path / "marker").write_text("x")
+    assert benchmark_folder(tmp_path, "trainer") == tmp_path / "trainer_2"
+    assert not (tmp_path / "trainer_2").exists() and "replacing" in capsys.readouterr().out
+    left(tmp_path / "trainer_2", "interrupted")
+    survivor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # a measured run that outlived the killed bench still writes inside it
+        left(tmp_path / "trainer_2" / "measured", "running", pid=survivor.pid, benchmark=None)
+        assert benchmark_folder(tmp_path, "trainer") == tmp_path / "trainer_3"
+    finally:
+        survivor.kill()
+    left(tmp_path / "memory", "running", benchmark="something else")  # not this benchmark's folder
+    assert benchmark_folder(tmp_path, "memory") == tmp_path / "memory_2"

@@ -18,6 +18,7 @@ several benchmarks (``course.py``, ``loop.py``).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -26,7 +27,7 @@ from importlib import import_module
 from pathlib import Path
 from statistics import median
 
-from my_utils.run.results import REPO_ROOT, RUNS_ROOT, Run, unique_dir
+from my_utils.run.results import REPO_ROOT, RUNS_ROOT, Run, current_status, read_json
 
 BENCH_ROOT = RUNS_ROOT / "bench"
 WARMUP_STEPS = 2  # steps before the steady-state window (first-step allocations, caches)
@@ -230,12 +231,43 @@ def render_table(rows: list[dict], markdown: bool = False) -> str:
 # One benchmark, one results folder
 
 
+def abandoned(folder: Path, name: str) -> str | None:
+    """The status of ``folder`` if it is benchmark ``name``'s results folder left unfinished by a bench that was
+    stopped (``crashed``: killed; ``interrupted``: Ctrl-C, SIGTERM) and that no process writes any more (a killed
+    bench's measured runs may outlive it); else None."""
+    try:
+        info = read_json(folder / "run.json")
+        inside = [read_json(p) for p in folder.rglob("run.json") if p.parent != folder]
+    except (OSError, ValueError):
+        return None
+    status = current_status(info)
+    if info.get("benchmark") != name or status not in ("crashed", "interrupted"):
+        return None
+    return None if any(current_status(run) == "running" for run in inside) else status
+
+
+def benchmark_folder(root: Path, name: str) -> Path:
+    """The folder for a new run of benchmark ``name``: ``root/name``, else ``name_2``, ``name_3``... as for every
+    results folder, except that one a stopped bench left unfinished is replaced (with a note) rather than kept
+    beside it."""
+    candidate, n = root / name, 1
+    while candidate.exists():
+        status = abandoned(candidate, name)
+        if status:
+            print(f"note: replacing {candidate}, left unfinished by a bench that was stopped ({status})", flush=True)
+            shutil.rmtree(candidate)
+            break
+        n += 1
+        candidate = root / f"{name}_{n}"
+    return candidate
+
+
 def run_benchmark(name: str, s: Settings, argv: list[str]) -> tuple[Path, list[dict]]:
     """Run one benchmark into a new results folder; returns the folder and its ratio rows."""
     from my_utils.core.devices import device_inventory
     from my_utils.run.lifecycle import recorded
 
-    folder = unique_dir(Path(s.output_root) / name)
+    folder = benchmark_folder(Path(s.output_root), name)
     record = Run.create(folder, config=asdict(s), command=["python", "-m", "my_utils", "bench", *argv],
                         benchmark=name, load_average_before=os.getloadavg(), devices=device_inventory(),
                         holds_runs=True)  # its measurements are results folders of their own, inside it
