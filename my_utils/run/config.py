@@ -124,10 +124,11 @@ def build_config(cls, values: dict):
 
 
 class _ShowDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """Show a flag's default unless it is None or False (the help says what None resolves to)."""
+    """Show a flag's default unless it is None, False or empty (the help says what None resolves to)."""
 
     def _get_help_string(self, action):
-        return action.help if action.default is None or action.default is False else super()._get_help_string(action)
+        shown = not (action.default is None or action.default is False or action.default == ())
+        return super()._get_help_string(action) if shown else action.help
 
 
 class OneLineParser(argparse.ArgumentParser):
