@@ -48,6 +48,11 @@ class UserError(ValueError):
     """Bad input from the user: the message is one sentence saying what is wrong and what to do."""
 
 
+class JobFailed(RuntimeError):
+    """Work that ran and failed, not bad input (a sweep's cells that crashed): one line saying what failed and where
+    its output is, and exit code 1."""
+
+
 class NothingToDo(UserError):
     """What was asked is already done (``--resume`` of a complete run): one sentence, and exit code 0, so that a
     retry loop around the command ends."""

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from my_utils import UserError
+from my_utils import JobFailed, UserError
 from my_utils.tools import sweep
 from my_utils.core.devices import usable_cores
 from my_utils.run.results import Run
@@ -159,7 +159,7 @@ def test_complete_cells_are_skipped_and_failed_ones_rerun(tmp_path, monkeypatch)
         sweep.run_sweep(spec, out, jobs=0)
 
     fail.add("rank32_alpha32")
-    with pytest.raises(RuntimeError, match=r"1 cell\(s\) failed: rank32_alpha32 \(exit code 1"):
+    with pytest.raises(JobFailed, match=r"1 of 2 cell\(s\) failed \(rank32_alpha32\); each one's output is in"):
         sweep.run_sweep(more, out, jobs=1, steady_memory=False)
     assert ran == ["rank32_alpha32", "rank64_alpha32"], "a failed cell does not stop the others"
     assert [sweep.cell_name(c) for c in json.loads((out / "sweep.json").read_text())["cells"]] == [
@@ -243,3 +243,28 @@ def test_each_cell_trains_in_its_own_process(tmp_path, subprocess_env, monkeypat
     assert all(r["eval_loss"] is not None for r in rows)
     again = sweep.run_sweep(spec, tmp_path / "sweep")
     assert [r["pid"] for r in again] == pids, "a second run re-trains nothing"
+
+
+def test_a_cell_that_refuses_its_settings_stops_the_sweep_with_its_sentence(tmp_path, monkeypatch):
+    out, ran = tmp_path / "sweep", []
+
+    def refusing_start(cmd, env, log):  # as the workflow ends on bad input: one sentence, exit code 2
+        ran.append(cmd)
+        log.write("lora: error: The data file is empty; pass one with rows.\n")
+        return Finished(2)
+
+    monkeypatch.setattr(sweep, "_start", refusing_start)
+    with pytest.raises(UserError, match="rank2_alpha32 refused its settings, and the sweep stopped: The data file"):
+        sweep.run_sweep(sweep.SweepSpec(grids=[{"rank": [2, 4], "alpha": [32]}]), out)
+    assert len(ran) == 1, "the other cells would refuse it too"
+
+
+def test_a_model_neither_cached_nor_downloadable_stops_the_sweep_before_any_cell(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))  # even where it is cached
+    monkeypatch.setattr(sweep, "_start", lambda *a: pytest.fail("no cell may start"))
+    spec = sweep.SweepSpec(preset="opt-350m", grids=[{"rank": [8], "alpha": [16]}])
+    with pytest.raises(UserError, match="facebook/opt-350m is not in the Hugging Face cache"):  # offline in tests
+        sweep.run_sweep(spec, tmp_path / "sweep")
+    assert not (tmp_path / "sweep").exists()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from my_utils import NothingToDo, UserError
+from my_utils import JobFailed, NothingToDo, UserError
 from my_utils.run.faults import RankFailure, first_to_say
 from my_utils.run.results import redact_secrets
 
@@ -20,7 +20,8 @@ def format_summary(summary: dict) -> str:
 
 def run_main(body, prefix: str = "my_utils"):
     """Run ``body()``; print its summary on rank 0; turn UserError into a one-line message and exit 2 (exit 0 for
-    NothingToDo), and a stopped rank (RankFailure, already recorded in the run) into a one-line message and exit 1."""
+    NothingToDo), and JobFailed or a stopped rank (RankFailure, already recorded in the run) into a one-line message
+    and exit 1."""
     from my_utils.core.printing import print0
 
     try:
@@ -33,6 +34,9 @@ def run_main(body, prefix: str = "my_utils"):
         if first_to_say(message) and not (done and int(os.environ.get("RANK", "0")) > 0):
             print(message, file=sys.stderr, flush=True)
         raise SystemExit(0 if done else 2) from None
+    except JobFailed as e:
+        print(f"{prefix}: error: {redact_secrets(str(e))}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except RankFailure as e:
         # A fault, not a bug: one line, and the stopped rank ends first, so the launcher names it too.
         print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)

@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from my_utils import UserError
+from my_utils import JobFailed, UserError
 from my_utils.core.adapters import AdapterSpec
 from my_utils.run.results import RUNS_ROOT, atomic_write_json, current_status, load_run, read_json, unique_dir
 
@@ -256,8 +256,10 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     """Train every cell of ``spec`` not yet complete in ``out``, each in its own process, ``jobs`` at a time;
     returns ``load_sweep(out)``. ``steady_memory``: run the cells with ``STEADY_MEMORY_ENV``, so that their peak
     memory compares (it costs each process time in system calls; leave it off for cells compared for quality
-    only). Every cell's output goes to ``output.log`` in its folder; a line per cell says how it ended. Cells that
-    fail do not stop the others: the sweep raises at the end, naming them."""
+    only). Every cell's output goes to ``output.log`` in its folder; a line per cell says how it ended. A cell that
+    fails does not stop the others (JobFailed at the end names them), unless it refused its input (exit code 2):
+    the others would refuse it too, so the sweep stops with that cell's sentence. A model that is neither cached
+    nor downloadable stops it before any cell starts."""
     from tqdm.auto import tqdm
 
     from my_utils.core.devices import usable_cores
@@ -278,6 +280,11 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
         raise UserError(f"--output-dir {out} is a file; name a folder for the sweep.")
     check_outside_runs(out)
     _check_same_experiment(spec, out)
+    if not spec.args.get("random_init"):
+        from my_utils.core.models import check_available
+        from my_utils.core.presets import get_preset
+
+        check_available(get_preset(spec.preset).require("causal"))
     out.mkdir(parents=True, exist_ok=True)
     cells = {cell_name(c): c for c in _saved_cells(out)} | {cell_name(c): c for c in spec.cells()}
     atomic_write_json(out / "sweep.json", {**asdict(spec), "cells": list(cells.values())})
@@ -300,7 +307,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     # The children's own progress bars would only fill their logs. Cells side by side share the cores.
     threads = {"OMP_NUM_THREADS": max(1, usable_cores() // jobs)} if jobs > 1 else {}
     env = clean_env(TQDM_DISABLE=1, **threads, **(STEADY_MEMORY_ENV if steady_memory else {}))
-    running, failed = {}, []
+    running, failed, todo_names = {}, [], [cell_name(c) for c in todo]
     bar = tqdm(total=len(todo), desc="sweep", unit="cell", file=sys.stdout)
     try:
         while todo or running:
@@ -316,17 +323,23 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
                 folder, log, started = running.pop(proc)
                 if folder.is_dir():
                     log = log.replace(folder / "output.log")
-                if proc.returncode:
-                    failed.append(f"{folder.name} (exit code {proc.returncode}; its output is in {log})")
                 bar.update()
                 bar.write(_ended(folder, time.perf_counter() - started))
+                if proc.returncode == 2:
+                    said = [line for line in log.read_text(encoding="utf-8").splitlines() if ": error: " in line]
+                    reason = said[-1].split(": error: ", 1)[1] if said else f"see {log}"
+                    raise UserError(f"The cell {folder.name} refused its settings, and the sweep stopped: {reason}")
+                if proc.returncode:
+                    failed.append(folder.name)
     finally:
         for proc in running:  # interrupted: the cells still training stop too (and record it)
             proc.terminate()
             proc.wait()
         bar.close()
     if failed:
-        raise RuntimeError(f"{len(failed)} cell(s) failed: {'; '.join(failed)}. Run the sweep again to retry them.")
+        named = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
+        raise JobFailed(f"{len(failed)} of {len(todo_names)} cell(s) failed ({named}); each one's output is in its "
+                        f"folder's output.log (or {out}/<cell>.log), and the sweep runs them again when run again.")
     return load_sweep(out)
 
 
