@@ -18,8 +18,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	# torch first and alone: nothing installed after it may replace it with a newer build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -r requirements.txt
-	# the course, and its TensorBoard extra: the tests read the event files of --report-to tensorboard back
-	$(PY) -m pip install --quiet -e ".[tensorboard]"
+	# the course, and two extras: TensorBoard (the tests read the event files of --report-to tensorboard back) and
+	# DeepSpeed (lesson 09 runs its ZeRO-2 and 3 beside FSDP2's)
+	$(PY) -m pip install --quiet -e ".[tensorboard,deepspeed]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

@@ -14,8 +14,11 @@ from my_utils.workflows import sharding
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_the_float32_formulas(world_size):
     P, N = 1000, world_size
-    totals = {s: sum(sharding.memory_formula(s, P, N).values()) for s in sharding.STRATEGIES}
-    assert totals == {"ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 16 * P / N, "zero3": 16 * P / N}
+    every = sharding.STRATEGIES + sharding.DEEPSPEED_STRATEGIES
+    totals = {s: sum(sharding.memory_formula(s, P, N).values()) for s in every}
+    assert totals == {"ddp": 16 * P, "zero1": 8 * P + 8 * P / N, "zero2": 4 * P + 16 * P / N, "zero3": 16 * P / N,
+                      # DeepSpeed's float32 master partition besides: ZeRO-2 keeps whole weights and no gathered copy
+                      "deepspeed_zero2": 4 * P + 16 * P / N, "deepspeed_zero3": 20 * P / N}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def test_every_stage_trains_like_ddp_and_holds_what_the_formula_says(sharded_run
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategies", "zero4"], "Unknown strategy 'zero4'; choose one of ddp, zero1, zero2, zero3."),
+    (["--strategies", "zero4"], "Unknown strategy 'zero4'; choose one of ddp, zero1, zero2, zero3, deepspeed_zero2"),
     (["--strategies"], "argument --strategies: expected at least one argument"),
     ([], "Sharding needs 2 or more processes"),  # this test is one process
     (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),
@@ -70,6 +73,15 @@ def test_bad_settings_are_one_sentence_and_write_nothing(tmp_path, capsys, args,
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert e.value.code == 2 and len(lines) == 1 and message in lines[0], lines
     assert not out.exists()
+
+
+def test_deepspeed_strategies_without_the_extra_are_one_sentence(monkeypatch):
+    from my_utils import UserError
+
+    monkeypatch.setattr(sharding, "deepspeed_installed", lambda: False)
+    with pytest.raises(UserError, match=r"--strategies deepspeed_zero3 needs DeepSpeed, an extra of the course: pip "
+                                        r"install -e \"\.\[deepspeed\]\""):
+        sharding.validate(sharding.Config(strategies=("zero3", "deepspeed_zero3")))
 
 
 def test_a_model_too_small_to_shard_is_one_sentence():

@@ -10,6 +10,9 @@ N ranks instead, one more kind per stage:
 - ZeRO-3 (``fully_shard`` with ``reshard_after_forward=True``): each block's weights are gathered for its forward,
   freed, and gathered again for its backward.
 
+DeepSpeed's ZeRO-2 and ZeRO-3 (``deepspeed.initialize``) run beside them when the DeepSpeed extra is installed
+(``pip install -e ".[deepspeed]"``): ``--strategies deepspeed_zero2 deepspeed_zero3``.
+
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.sharding --preset tiny
     ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.sharding
 
@@ -29,9 +32,10 @@ from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+DEEPSPEED_STRATEGIES = ("deepspeed_zero2", "deepspeed_zero3")  # an extra: pip install -e ".[deepspeed]"
 # Per step, in units of P elements, as the ZeRO paper counts them (an all-reduce is a reduce-scatter plus an
 # all-gather: 2P). torch's ZeRO-1 all-reduces the gradients and then broadcasts the weights: 3P.
-TEXTBOOK_VOLUME = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3}
+TEXTBOOK_VOLUME = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3, "deepspeed_zero2": 2, "deepspeed_zero3": 3}
 # The same paper's memory per rank in mixed precision (2-byte weights and gradients; fp32 master weights and two
 # moments, 12 bytes), for comparison with the float32 variant this workflow trains in (``memory_formula``).
 TEXTBOOK_MIXED_PRECISION = {"ddp": "16P", "zero1": "4P + 12P/N", "zero2": "2P + 14P/N", "zero3": "16P/N"}
@@ -40,7 +44,8 @@ TEXTBOOK_MIXED_PRECISION = {"ddp": "16P", "zero1": "4P + 12P/N", "zero2": "2P + 
 @dataclass
 class Config(RunSettings):
     strategies: tuple[str, ...] = setting(STRATEGIES, "what to run, in order, each from the same weights: "
-                                          + ", ".join(STRATEGIES), choices=STRATEGIES)
+                                          + ", ".join(STRATEGIES + DEEPSPEED_STRATEGIES) + " (DeepSpeed's need its "
+                                          "extra)", choices=STRATEGIES + DEEPSPEED_STRATEGIES)
     batch_size: int = setting(4, "blocks per process per step")
     max_steps: int = setting(8, "optimizer steps per strategy")
     max_length: int = setting(64, "tokens per packed block")
@@ -61,8 +66,18 @@ def validate(cfg: Config):
     if not cfg.strategies:
         raise UserError("--strategies names none; give one or more of " + ", ".join(STRATEGIES) + ".")
     for strategy in cfg.strategies:
-        check_choice("strategy", strategy, STRATEGIES)
+        check_choice("strategy", strategy, STRATEGIES + DEEPSPEED_STRATEGIES)
+    wanted = [s for s in cfg.strategies if s in DEEPSPEED_STRATEGIES]
+    if wanted and not deepspeed_installed():
+        raise UserError(f"--strategies {wanted[0]} needs DeepSpeed, an extra of the course: pip install -e "
+                        "\".[deepspeed]\" (it keeps the installed torch).")
     return preset
+
+
+def deepspeed_installed() -> bool:
+    from importlib.util import find_spec
+
+    return find_spec("deepspeed") is not None
 
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
@@ -98,14 +113,21 @@ def memory_formula(strategy: str, parameters: int, world_size: int) -> dict[str,
     backward (4P more, ``gathered``); in ZeRO-3 one block at a time (left out, as the textbook leaves it out). So
     DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 16P/N (the textbook's fp32 ZeRO-2 is 4P + 12P/N: it keeps no shard of
     the weights beside the whole copy) and ZeRO-3 16P/N.
+
+    DeepSpeed is built for mixed precision: its optimizer steps a float32 ``master`` copy of the rank's partition
+    (4P/N) and copies it back into the weights, even when they are float32 already. Its ZeRO-2 keeps the weights
+    whole (4P): 4P + 16P/N, as FSDP2's; its ZeRO-3 stores a shard (4P/N): 20P/N, 4P/N more than FSDP2's.
     """
     P, N = parameters, world_size
     sharded = {"ddp": (), "zero1": ("optimizer_states",),
                "zero2": ("weights", "gradients", "optimizer_states"),
-               "zero3": ("weights", "gradients", "optimizer_states")}[strategy]
+               "zero3": ("weights", "gradients", "optimizer_states"),
+               "deepspeed_zero2": ("gradients", "optimizer_states"),
+               "deepspeed_zero3": ("weights", "gradients", "optimizer_states")}[strategy]
     whole = {"weights": 4 * P, "gradients": 4 * P, "optimizer_states": 8 * P}
     formula = {kind: size / N if kind in sharded else size for kind, size in whole.items()}
-    return {**formula, "gathered": 4 * P if strategy == "zero2" else 0}
+    return {**formula, "gathered": 4 * P if strategy == "zero2" else 0,
+            "master": 4 * P / N if strategy in DEEPSPEED_STRATEGIES else 0}
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -124,38 +146,47 @@ def local_bytes(tensors) -> int:
 
 
 def gathered_bytes(model) -> int:
-    """Bytes of whole (gathered, unsharded) weights an FSDP2 model holds now; 0 for a model that is not sharded."""
+    """Bytes of whole (gathered, unsharded) weights a sharded model holds now: FSDP2's plain tensors beside its
+    DTensor shards, DeepSpeed ZeRO-3's parameters whose data is present (released ones hold none); 0 for a model
+    that is not sharded."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(model, FSDPModule):
-        return 0
-    return sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+    if isinstance(model, FSDPModule):
+        return sum(p.numel() * p.element_size() for p in model.parameters() if not isinstance(p, DTensor))
+    return sum(p.numel() * p.element_size() for p in model.parameters() if hasattr(p, "ds_tensor"))
 
 
 @contextmanager
 def counting_collectives(counts: dict):
     """Count, in ``counts``, the elements this rank passes to each collective called from Python (all-reduce,
-    broadcast, and FSDP2's all-gather and reduce-scatter: the whole tensor gathered or reduced)."""
+    broadcast, and the all-gather and reduce-scatter of FSDP2 and DeepSpeed: the whole tensor gathered or reduced)."""
+    import sys
+
     import torch.distributed as dist
 
-    which = {"all_reduce": 0, "broadcast": 0, "all_gather_single": 0, "reduce_scatter_single": 1}  # the full tensor
-    originals = {name: getattr(dist, name) for name in which}
+    # (owner, attribute, counted as, position of the whole tensor among the arguments)
+    targets = [(dist, "all_reduce", "all_reduce", 0), (dist, "broadcast", "broadcast", 0),
+               (dist, "all_gather_single", "all_gather", 0), (dist, "reduce_scatter_single", "reduce_scatter", 1)]
+    deepspeed_backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+    if deepspeed_backend is not None:  # DeepSpeed calls these two through references it took when it started
+        targets += [(deepspeed_backend, "all_gather_function", "all_gather", 0),
+                    (deepspeed_backend, "reduce_scatter_function", "reduce_scatter", 1)]
+    originals = [getattr(owner, attribute) for owner, attribute, _, _ in targets]
 
-    def counted(name):
+    def counted(function, name, position):
         def call(*args, **kwargs):
-            tensors = [*args, *kwargs.values()]
-            counts[name] = counts.get(name, 0) + tensors[which[name]].numel()
-            return originals[name](*args, **kwargs)
+            counts[name] = counts.get(name, 0) + [*args, *kwargs.values()][position].numel()
+            return function(*args, **kwargs)
         return call
 
-    for name in which:
-        setattr(dist, name, counted(name))
+    for (owner, attribute, name, position), function in zip(targets, originals):
+        setattr(owner, attribute, counted(function, name, position))
     try:
         yield counts
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        for (owner, attribute, _, _), function in zip(targets, originals):
+            setattr(owner, attribute, function)
 
 
 def count_ddp_all_reduce(ddp_model, counts: dict) -> None:
@@ -175,13 +206,15 @@ def count_ddp_all_reduce(ddp_model, counts: dict) -> None:
 # ---------------------------------------------------------------------------------------------- training
 
 
-def wrap(model, strategy: str, learning_rate: float, counts: dict):
-    """``model`` and its optimizer for ``strategy``."""
+def wrap(model, strategy: str, learning_rate: float, counts: dict, batch_size: int):
+    """``model`` and its optimizer for ``strategy`` (for DeepSpeed's, its engine and its ZeRO optimizer)."""
     import torch
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
 
+    if strategy in DEEPSPEED_STRATEGIES:
+        return deepspeed_engine(model, int(strategy[-1]), learning_rate, batch_size)
     # region: the four strategies
     if strategy in ("ddp", "zero1"):
         model = DistributedDataParallel(model)
@@ -198,6 +231,64 @@ def wrap(model, strategy: str, learning_rate: float, counts: dict):
     fully_shard(model, reshard_after_forward=strategy == "zero3")
     return model, torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     # endregion
+
+
+def deepspeed_engine(model, stage: int, learning_rate: float, batch_size: int):
+    """DeepSpeed's ZeRO ``stage`` (2 or 3) around ``model``, stepping torch's AdamW over its partitions (DeepSpeed's
+    own Adam would compile C++ first, for minutes). Returns the engine and DeepSpeed's ZeRO optimizer."""
+    import importlib
+    import os
+    import warnings
+
+    import torch
+
+    from my_utils.run.launch import is_cpu_only
+
+    if is_cpu_only():  # said, not guessed: DeepSpeed would log a warning while finding out
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    # On a CPU DeepSpeed compiles a shared-memory all-reduce on first use (about 35 s on 2 cores); the other
+    # strategies communicate through gloo, and so does DeepSpeed here.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    # DeepSpeed 0.19 calls the collectives by the names torch 2.13 deprecated (the count above covers both)
+    warnings.filterwarnings("ignore", message=r"`torch.distributed.(all_gather_into_tensor|reduce_scatter_tensor)`",
+                            category=FutureWarning)
+    deepspeed.utils.logger.setLevel("WARNING")
+    # region: DeepSpeed's ZeRO-2 and 3
+    zero = {"stage": stage,
+            "stage3_param_persistence_threshold": 0}  # default 1e5: smaller parameters stay whole on every rank
+    if stage == 3:  # free each block's gathered weights after use, as FSDP2 does; by default DeepSpeed keeps up to
+        # 1e9 of them gathered from forward to backward (a smaller model never frees any)
+        zero |= {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    config = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0,  # DeepSpeed's default clips the gradients' norm to 1.0; torch's loops do not
+              "zero_optimization": zero, "zero_allow_untested_optimizer": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+    engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, zero_optimizer
+    # endregion
+
+
+def deepspeed_gradient_bytes(optimizer) -> int:
+    """This DeepSpeed rank's reduced gradients after backward: its partition, in one flat buffer (ZeRO-3) or in
+    ``averaged_gradients`` (ZeRO-2)."""
+    if hasattr(optimizer, "grad_partitions_flat_buffer"):
+        return local_bytes([optimizer.grad_partitions_flat_buffer])
+    return local_bytes(t for group in optimizer.averaged_gradients.values() for t in group)
+
+
+def deepspeed_memory(engine, optimizer) -> dict[str, int]:
+    """What a DeepSpeed rank holds after its optimizer step: weights (whole in ZeRO-2; in ZeRO-3 this rank's shards,
+    ``ds_tensor``), its float32 master partition and AdamW's states."""
+    import torch
+
+    stage3 = hasattr(optimizer, "fp32_partitioned_groups_flat")
+    master = optimizer.fp32_partitioned_groups_flat if stage3 else optimizer.single_partition_of_fp32_groups
+    return {"weights": local_bytes(getattr(p, "ds_tensor", p) for p in engine.module.parameters()),
+            "master": local_bytes(master),
+            "optimizer_states": local_bytes(t for s in optimizer.optimizer.state.values() for t in s.values()
+                                            if torch.is_tensor(t))}
 
 
 def start_worker(cfg, preset, resolve_config):
@@ -240,23 +331,29 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
     import torch.distributed as dist
 
     counts = {}
-    model, optimizer = wrap(copy.deepcopy(base), strategy, cfg.learning_rate, counts)
+    model, optimizer = wrap(copy.deepcopy(base), strategy, cfg.learning_rate, counts, cfg.batch_size)
     states = optimizer.optim.state if strategy == "zero1" else optimizer.state
     batches = rank_batches(dataset, cfg, world_size)
-    losses, memory = [], {}
+    losses, memory = [], {"master": 0}
     started = time.perf_counter()
     for step in range(1, cfg.max_steps + 1):
         counts.clear()
         with counting_collectives(counts):
             loss = model(**next(batches)).loss
             memory["gathered"] = gathered_bytes(model)  # whole weights kept from forward to backward
-            loss.backward()
-            memory["gradients"] = local_bytes(p.grad for p in model.parameters())
-            optimizer.step()
-            memory["optimizer_states"] = local_bytes(t for s in states.values() for t in s.values()
-                                                     if torch.is_tensor(t))
-            optimizer.zero_grad(set_to_none=True)
-        memory["weights"] = local_bytes(model.parameters())
+            if strategy in DEEPSPEED_STRATEGIES:  # the engine reduces, steps and zeroes the gradients
+                model.backward(loss)
+                memory["gradients"] = deepspeed_gradient_bytes(optimizer)
+                model.step()
+                memory |= deepspeed_memory(model, optimizer)
+            else:
+                loss.backward()
+                memory["gradients"] = local_bytes(p.grad for p in model.parameters())
+                optimizer.step()
+                memory["optimizer_states"] = local_bytes(t for s in states.values() for t in s.values()
+                                                         if torch.is_tensor(t))
+                optimizer.zero_grad(set_to_none=True)
+                memory["weights"] = local_bytes(model.parameters())
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
@@ -315,7 +412,7 @@ def summarize(cfg: Config, world_size: int, parameters: int, per_rank: list[list
 
 
 MEMORY_KINDS = {"weights": "weights (stored)", "gathered": "weights gathered for compute", "gradients": "gradients",
-                "optimizer_states": "optimizer states (AdamW)"}
+                "optimizer_states": "optimizer states (AdamW)", "master": "float32 master partition (DeepSpeed)"}
 
 
 def memory_plot(summary: dict, path):
@@ -346,7 +443,8 @@ def memory_plot(summary: dict, path):
 
 DESCRIPTION = ("DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP2) on the same batches from the same weights: losses, memory per "
                "rank against the formulas, communication per step. Needs 2+ processes: ACCELERATE_USE_CPU=1 "
-               "torchrun --nproc_per_node 2 -m my_utils.workflows.sharding. Writes a results folder and prints its "
+               "torchrun --nproc_per_node 2 -m my_utils.workflows.sharding. With the DeepSpeed extra, its ZeRO-2 and "
+               "3 as well (--strategies deepspeed_zero2 deepspeed_zero3). Writes a results folder and prints its "
                "summary.")
 
 
