@@ -98,7 +98,7 @@ def processes_asked(line: str) -> int:
 
 @pytest.fixture
 def repository_copy(tmp_path):
-    """The package, configs and README copied, the assets linked: the README's commands run from its root and
+    """The package and the configs copied, the assets linked: the README's commands run from its root and
     write their default results folders under its runs/, not the checkout's."""
     import shutil
 

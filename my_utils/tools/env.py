@@ -12,6 +12,7 @@ before it fails, and no course code runs before that; ``--machine-rank`` checks 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -69,7 +70,7 @@ def check_rendezvous(config_path: str | Path, settings: dict, machine_rank: int,
             try:
                 probe.bind((ip, port))
             except OSError as e:
-                if e.errno == 98:  # EADDRINUSE
+                if e.errno == errno.EADDRINUSE:
                     raise UserError(f"Port {port} is in use on this machine; set main_process_port in {config_path} "
                                     "to a free port, on every machine.") from None
                 raise UserError(f"main_process_ip {host} in {config_path} is not an address of this machine, yet "
