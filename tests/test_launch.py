@@ -238,3 +238,27 @@ def test_an_error_every_rank_finds_is_printed_once(subprocess_env, tmp_path):
     assert proc.returncode != 0 and len(said) == 1, proc.stderr[-3000:]
     assert "sees a world of 2 process(es) but 3 were asked for" in said[0]
     assert "[rank0]" not in proc.stderr and "[rank1]" not in proc.stderr and not (tmp_path / "run").exists()
+
+
+
+def test_more_processes_than_cores_are_refused_before_the_group_forms(monkeypatch):
+    """A launcher's workers are counted before they form the process group: one that refused inside it could exit
+    while the others still connect, and they would fail in gloo with tracebacks of their own."""
+    from my_utils.run import lifecycle
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    monkeypatch.setattr(launch, "check_world_size", lambda *a, **k: pytest.fail("the group must not form"))
+    with pytest.raises(UserError, match="8 processes asked for but this machine has 2"):
+        lifecycle.join_world(None)
+
+
+def test_before_the_group_forms_local_rank_0_alone_reports(monkeypatch):
+    from my_utils.run.faults import first_to_say
+
+    monkeypatch.setenv("LOCAL_RANK", "1")  # every process of the machine met the same checks on the same input
+    assert not first_to_say("bad option")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert first_to_say("bad option")
+    monkeypatch.delenv("LOCAL_RANK")  # not launched: the only process
+    assert first_to_say("bad option")

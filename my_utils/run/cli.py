@@ -29,9 +29,7 @@ def run_main(body, prefix: str = "my_utils"):
     except UserError as e:  # it may quote a path or a value that holds a secret
         done = isinstance(e, NothingToDo)
         message = f"{prefix}: {'' if done else 'error: '}{redact_secrets(str(e))}"
-        # once per job, not once per rank; before any process group exists, a run found complete is complete on
-        # every rank, so rank 0 alone says so
-        if first_to_say(message) and not (done and int(os.environ.get("RANK", "0")) > 0):
+        if first_to_say(message):  # once per job, not once per rank
             print(message, file=sys.stderr, flush=True)
         raise SystemExit(0 if done else 2) from None
     except JobFailed as e:

@@ -109,10 +109,15 @@ def announce_process() -> None:
 
 def first_to_say(message: str) -> bool:
     """Whether this process is the first of its process group to report ``message``: an error that every rank
-    finds (too many processes for the machine, a bad option) is then printed once, not once per rank. True
-    outside a process group, or when its store cannot be reached."""
+    finds (too many processes for the machine, a bad option) is then printed once, not once per rank. Before the
+    process group exists, every process of a machine runs the same checks on the same input, so local rank 0
+    alone says what they find (True outside a launch). True when the store cannot be reached."""
     import hashlib
 
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
     store = _store()
     if store is None:
         return True

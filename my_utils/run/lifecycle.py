@@ -209,8 +209,13 @@ def join_world(num_processes: int | None, timeout_s: float | None = None) -> int
     from my_utils.run.faults import announce_process
     from my_utils.run.launch import check_process_count, check_world_size
 
+    local_processes = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun and accelerate launch
+    if local_processes:  # before the group forms: more processes than cores may not finish forming it before the
+        # first of them refuses and exits, and the others would then fail inside gloo
+        check_process_count(int(local_processes))
     world_size = check_world_size(num_processes, timeout_s=timeout_s)
-    check_process_count(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if not local_processes:
+        check_process_count(world_size)
     if world_size > 1:
         announce_process()
     return world_size
