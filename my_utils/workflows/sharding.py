@@ -278,17 +278,13 @@ def deepspeed_gradient_bytes(optimizer) -> int:
     return local_bytes(t for group in optimizer.averaged_gradients.values() for t in group)
 
 
-def deepspeed_memory(engine, optimizer) -> dict[str, int]:
-    """What a DeepSpeed rank holds after its optimizer step: weights (whole in ZeRO-2; in ZeRO-3 this rank's shards,
-    ``ds_tensor``), its float32 master partition and AdamW's states."""
-    import torch
-
+def deepspeed_weight_bytes(engine, optimizer) -> dict[str, int]:
+    """The weights a DeepSpeed rank holds after its optimizer step (whole in ZeRO-2; in ZeRO-3 this rank's shards,
+    ``ds_tensor``) and its float32 master partition."""
     stage3 = hasattr(optimizer, "fp32_partitioned_groups_flat")
     master = optimizer.fp32_partitioned_groups_flat if stage3 else optimizer.single_partition_of_fp32_groups
     return {"weights": local_bytes(getattr(p, "ds_tensor", p) for p in engine.module.parameters()),
-            "master": local_bytes(master),
-            "optimizer_states": local_bytes(t for s in optimizer.optimizer.state.values() for t in s.values()
-                                            if torch.is_tensor(t))}
+            "master": local_bytes(master)}
 
 
 def start_worker(cfg, preset, resolve_config):
@@ -332,7 +328,9 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
 
     counts = {}
     model, optimizer = wrap(copy.deepcopy(base), strategy, cfg.learning_rate, counts, cfg.batch_size)
-    states = optimizer.optim.state if strategy == "zero1" else optimizer.state
+    # AdamW's states, inside whatever wraps the optimizer
+    states = (optimizer.optim.state if strategy == "zero1" else
+              optimizer.optimizer.state if strategy in DEEPSPEED_STRATEGIES else optimizer.state)
     batches = rank_batches(dataset, cfg, world_size)
     losses, memory = [], {"master": 0}
     started = time.perf_counter()
@@ -345,15 +343,14 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
                 model.backward(loss)
                 memory["gradients"] = deepspeed_gradient_bytes(optimizer)
                 model.step()
-                memory |= deepspeed_memory(model, optimizer)
+                memory |= deepspeed_weight_bytes(model, optimizer)
             else:
                 loss.backward()
                 memory["gradients"] = local_bytes(p.grad for p in model.parameters())
                 optimizer.step()
-                memory["optimizer_states"] = local_bytes(t for s in states.values() for t in s.values()
-                                                         if torch.is_tensor(t))
                 optimizer.zero_grad(set_to_none=True)
                 memory["weights"] = local_bytes(model.parameters())
+            memory["optimizer_states"] = local_bytes(t for s in states.values() for t in s.values() if torch.is_tensor(t))
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
