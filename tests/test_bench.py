@@ -134,7 +134,12 @@ def test_quick_run_writes_results_folders_with_every_ratio(tmp_path, subprocess_
     steps = memory["steps"]
     assert steps["lora"]["gradient_bytes"] < steps["full"]["gradient_bytes"] / 10  # only adapters train
     assert steps["lora_ckpt"]["saved_activation_bytes"] < steps["lora"]["saved_activation_bytes"]
-    assert [r["target"] for r in memory["ratios"] if r["target"]] == ["<= 0.5", "<= 0.35"]
+    assert [r["target"] for r in memory["ratios"] if r["target"]] == ["<= 0.5"] + ["<= 0.15"] * 6 + ["<= 0.35"]
+    # the chunked loss is the default, and the plain one measured beside it keeps the whole logits
+    assert steps["lora"]["chunked_loss"] and not steps["lora_plain"]["chunked_loss"]
+    assert steps["lora"]["saved_activation_bytes"] < steps["lora_plain"]["saved_activation_bytes"]
+    # the planner's parts, each beside the tensors measured
+    assert all(abs(r - 1) <= 0.15 for ratios in memory["planned_over_measured"].values() for r in ratios.values())
 
 
 def test_a_folder_left_by_a_stopped_bench_is_replaced_and_nothing_else_is(tmp_path, capsys):

@@ -84,6 +84,7 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, tracked_losse
     assert run["status"] == "complete"
     assert run["world_size"] == 2 and run["backend"] == "gloo"  # as seen inside the workers
     assert summary["world_size"] == 2 and summary["effective_batch"] == 2 * summary["batch_size_per_process"]
+    assert run["config"]["chunked_loss"] is True and summary["chunked_loss"] is True  # on by default, recorded
     assert [m["rank"] for m in summary["memory"]] == [0, 1]
     for m in summary["memory"]:
         assert m["first_step"]["rss"] > 0 and m["end"]["peak_rss"] >= m["end"]["rss"]

@@ -11,6 +11,7 @@ import pytest
 from my_utils import UserError
 from my_utils.tools import planner
 from my_utils.core.adapters import AdapterSpec
+from my_utils.core.chunked_loss import CHUNK_BYTES, use_chunked_loss
 from my_utils.core.memory import MiB
 
 TINY_TARGETS = ("c_attn", "c_proj", "c_fc")
@@ -80,13 +81,15 @@ def llama_like_config():
                                 max_position_embeddings=128, tie_word_embeddings=True)
 
 
+@pytest.mark.parametrize("loss", ["chunked", "plain"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("model_name", ["tiny", "opt-like", "llama-like"])
 @pytest.mark.parametrize("method", ["full", "lora", "lora-all-linear"])
-def test_activation_model_matches_what_autograd_keeps(model_name, method, dtype, tiny):
+def test_activation_model_matches_what_autograd_keeps(model_name, method, dtype, loss, tiny):
     """The layer-by-layer rule against the bytes autograd really saves, on a CPU (dropout on where the model has
     it, padded batch): GPT-2's fused attention, OPT's post-LN blocks, Llama's RMSNorm, gated MLP and grouped-query
-    attention; adapters on the attention only (each preset's default) or on every linear layer of the blocks."""
+    attention; adapters on the attention only (each preset's default) or on every linear layer of the blocks; the
+    workflow's chunked loss and the plain one."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -107,9 +110,12 @@ def test_activation_model_matches_what_autograd_keeps(model_name, method, dtype,
         method, targets = "lora", every
     if method == "lora":
         model = lora(model, 8, targets)
+    if loss == "chunked":
+        assert use_chunked_loss(model)
     batch, seq = 8, 40
     measured = saved_activation_bytes(model, batch, seq, arch.vocab, dtype)
-    p = planner.estimate(arch, method, rank=8, targets=targets, batch=batch, seq=seq, dtype=dtype, device="cpu")
+    p = planner.estimate(arch, method, rank=8, targets=targets, batch=batch, seq=seq, dtype=dtype, device="cpu",
+                         chunked_loss=loss == "chunked")
     assert p.saved_activations / measured == pytest.approx(1.0, abs=0.05)
 
 
@@ -162,11 +168,24 @@ def test_each_part_follows_its_rule(tiny):
     assert ddp.gradients == lora.gradients and ddp.ddp_buckets == lora.gradients and not lora.ddp_buckets
     assert ddp.peak == pytest.approx(lora.peak + lora.gradients)
     assert "DDP gradient buckets" in [part for part, _, _ in ddp.parts()]
-    checkpointed = planner.plan("tiny", "lora", batch_size=4, max_length=32, gradient_checkpointing=True)
-    assert checkpointed.saved_activations < lora.saved_activations
-    assert checkpointed.backward_extra > lora.backward_extra  # one layer is recomputed during backward
-    # the loss gradients: made in backward, never saved
-    assert lora.backward_extra == 2 * 4 * 4 * 32 * tiny.vocab
+    plain = planner.plan("tiny", "lora", batch_size=4, max_length=32, chunked_loss=False)
+    checkpointed = planner.plan("tiny", "lora", batch_size=4, max_length=32, gradient_checkpointing=True,
+                                chunked_loss=False)
+    assert checkpointed.saved_activations < plain.saved_activations
+    assert checkpointed.backward_extra > plain.backward_extra  # one layer is recomputed during backward
+    # the plain loss: fp32 log-probabilities kept, their gradient and the logits' made in backward
+    assert plain.backward_extra == 2 * 4 * 4 * 32 * tiny.vocab
+    # the chunked loss keeps the hidden states' gradient instead, and holds one chunk of logits (here the whole
+    # batch: 128 tokens of a 1,024-word vocabulary are far below a chunk) and the log-sum-exp's temporary
+    tokens = 4 * 32
+    assert plain.saved_activations - lora.saved_activations == tokens * 4 * (tiny.vocab - tiny.hidden)
+    assert lora.backward_extra == 2 * 4 * tokens * tiny.vocab
+    # full fine-tuning's output layer trains: its weight's gradient is kept from forward, its input is not
+    full_plain = planner.plan("tiny", "full", batch_size=4, max_length=32, chunked_loss=False)
+    assert full.saved_activations - full_plain.saved_activations == \
+        tiny.vocab * tiny.hidden * 4 + tokens * tiny.hidden * 4 - tokens * 4 * (tiny.vocab + tiny.hidden)
+    gpt2 = planner.plan("gpt2", "lora", batch_size=4, max_length=256)  # gpt2's logits come in chunks of 166 tokens
+    assert gpt2.backward_extra == 166 * 50257 * 2 * 4 and 166 == CHUNK_BYTES // (4 * 50257)
     assert planner.plan("tiny", "lora", batch_size=8, max_length=32).activations == pytest.approx(2 * lora.activations, rel=0.01)
     # bf16 autocast computes from the fp32 weights: the same weights, smaller activations
     bf16 = planner.plan("tiny", "lora", batch_size=16, max_length=64, dtype="bf16")
@@ -220,13 +239,14 @@ def test_a_run_is_planned_from_its_summary():
     breakdown = {"weights": 1.0, "gradients": 2.0, "optimizer_states": 3.0, "saved_activations": 4.0}
     adapter = {"rank": 4, "alpha": 8, "targets": ["c_attn"], "dropout": 0.0, "rslora": False, "dora": False}
     summary = {"workflow": "lora", "preset": "tiny", "method": "qlora-8bit", "adapter": adapter, "world_size": 2,
-               "quantization": {"bits": 8}, "mixed_precision": "bf16",
+               "quantization": {"bits": 8}, "mixed_precision": "bf16", "chunked_loss": True,
                "first_batches": [{"batch_size": 8, "seq_len": 40}, {"batch_size": 8, "seq_len": 31}],
                "memory": [{"end": {"device": "cpu"}, "breakdown": breakdown}] * 2}
     p = planner.plan_for_run(summary, rank=1)
     assert (p.method, p.rank, p.dtype, p.batch, p.seq, p.processes) == ("qlora-8bit", 4, "bf16", 8, 31, 2)
     assert p == planner.plan("tiny", "qlora", quantize="8bit", adapter=AdapterSpec(rank=4, targets=("c_attn",)),
                              batch_size=8, max_length=31, processes=2, dtype="bf16", device="cpu")
+    assert planner.plan_for_run({**summary, "chunked_loss": False}, rank=1).chunked_loss is False
     rows = planner.compare_with_run(summary, rank=1)
     assert [r.component for r in rows] == ["weights", "gradients", "optimizer states", "saved activations"]
     assert [r.measured for r in rows] == [1.0, 2.0, 3.0, 4.0]
@@ -293,9 +313,12 @@ def test_smollm2_parts_follow_the_llama_layout():
     mlp = 4 * 3 * t * f  # gate output, SiLU of it, up output
     projections = 4 * (t * h + t * h + t * f)  # the inputs of q/k/v, of gate/up (shared) and of down
     layer = 2 * norm + attention + mlp + projections
-    full = planner.plan("smollm2-135m", "full", batch_size=b, max_length=s)
+    full = planner.plan("smollm2-135m", "full", batch_size=b, max_length=s, chunked_loss=False)
     edges = norm + t * 49152 * 4 + t * h * 4  # the final norm, the log-probabilities, the output layer's input
     assert full.saved_activations == pytest.approx(30 * layer + edges)
+    # the chunked loss: the final norm, the gradients of the hidden states and of the output layer's weight
+    chunked = planner.plan("smollm2-135m", "full", batch_size=b, max_length=s)
+    assert chunked.saved_activations == pytest.approx(30 * layer + norm + t * h * 4 + 49152 * h * 4)
     assert full.weights == full.gradients == 4 * arch.total_params and full.optimizer == 8 * arch.total_params
     assert all(value > 0 for _, value, _ in full.parts())
 

@@ -93,8 +93,8 @@ def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str 
         config = AutoConfig.from_pretrained(preset.offline_config["causal"], trust_remote_code=trust_remote_code)
         if qconfig is not None:
             raise UserError("Quantization needs pretrained weights; drop --random-init or use --quantize none.")
-        return name_causal_lm_loss(AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                                    trust_remote_code=trust_remote_code))
+        return fused_activation(name_causal_lm_loss(AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=trust_remote_code)))
     check_available(model_id)
     kwargs = {"dtype": dtype} if dtype is not None else {}
     if qconfig is not None:
@@ -105,7 +105,26 @@ def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str 
     model = AutoModelForCausalLM.from_pretrained(model_id, trust_remote_code=trust_remote_code, **kwargs)
     if quantize == "4bit":
         keep_4bit_weights_trainable(model)
-    return name_causal_lm_loss(model)
+    return fused_activation(name_causal_lm_loss(model))
+
+
+# Activations transformers computes as a Python formula, and the one kernel of the same function the course uses.
+FUSED_ACTIVATIONS = {"gelu_new": "gelu_pytorch_tanh"}
+
+
+def fused_activation(model):
+    """``model`` with GPT-2's activation, ``gelu_new``, computed by torch's one kernel (``gelu_pytorch_tanh``): the
+    same function to float rounding. transformers computes ``gelu_new`` as a Python formula whose every step keeps a
+    tensor for backward, four of batch x tokens x 4 x width per layer: 576 MiB for gpt2 at batch 4 x 256, as
+    much as the float32 logits. The kernel keeps only its input."""
+    from transformers.activations import ACT2CLS
+
+    for module in model.modules():
+        for name, child in module.named_children():
+            for formula, kernel in FUSED_ACTIVATIONS.items():
+                if type(child) is ACT2CLS[formula]:
+                    setattr(module, name, ACT2CLS[kernel]())
+    return model
 
 
 def name_causal_lm_loss(model):

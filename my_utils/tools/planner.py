@@ -21,11 +21,14 @@ tensors (``compare_with_run``):
   copy of the gradients to all-reduce, as a line of their own.
 - optimizer states: AdamW keeps two fp32 tensors per trainable parameter: 8 bytes per parameter.
 - saved activations: what autograd keeps for the backward pass, layer by layer, from hidden size, intermediate
-  size, heads, layers, sequence and batch (see ``layer_activations``), plus the log-probabilities of the loss;
-  under bf16 autocast also the bf16 weight copies the matrix products keep. With gradient checkpointing only
-  each layer's input is kept.
-- backward transient: what backward adds while the saved activations are still held: the loss gradients over
-  the vocabulary (and with gradient checkpointing, the one layer being recomputed).
+  size, heads, layers, sequence and batch (see ``layer_activations``), plus what the loss keeps: with the
+  workflow's chunked loss (``my_utils.core.chunked_loss``) the gradients it computed in forward, of the hidden
+  states and, in full fine-tuning, of the output layer's weight; with the plain loss (``--plain-loss``) the
+  log-probabilities over the vocabulary. Under bf16 autocast also the bf16 weight copies the matrix products
+  keep. With gradient checkpointing only each layer's input is kept.
+- transient: what comes on top while the saved activations are all held: one chunk of the chunked loss's
+  logits, or the plain loss's gradients over the vocabulary (and with gradient checkpointing, the one layer being
+  recomputed).
 
 With ``--zero`` the data-parallel processes shard what DDP replicates (ZeRO, as lesson 09 measures it with torch's
 ZeroRedundancyOptimizer and FSDP2): stage 1 divides the optimizer states by the number of processes, stage 2 also the
@@ -51,7 +54,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from my_utils import UserError
+from my_utils.core.chunked_loss import CHUNK_BYTES
 from my_utils.core.memory import GiB, MiB, format_bytes
+from my_utils.core.models import FUSED_ACTIVATIONS
 
 METHODS = ("full", "lora", "qlora")
 DTYPES = {"fp32": 4, "bf16": 2}
@@ -121,6 +126,7 @@ class Architecture:
     linears: dict = field(repr=False)  # module name -> (in features, out features, has bias)
     quantizable: tuple = field(repr=False)  # names of the linear layers bitsandbytes would quantize
     head_params: int = 0  # classification head (trained beside LoRA adapters)
+    output_layer: str = ""  # a causal LM's projection onto the vocabulary
     positions: int | None = None  # the longest sequence the model takes (its position embeddings), if it has a limit
 
 
@@ -196,6 +202,7 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
             quantizable.append(module_name)
     outside = [(n, m) for n, m in model.named_modules() if not re.search(r"\.\d+(\.|$)", n)]
     norms = [(n, m) for n, m in model.named_modules() if _is_norm(m)]
+    output = model.get_output_embeddings() if role == "causal" else None
     head = ()
     if role == "classifier":
         head = tuple(n for n in ("classifier", "score") if hasattr(model, n))
@@ -205,6 +212,7 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
     head_dim = _first(config, ("head_dim",), hidden // heads)
     kv_heads = _first(config, ("num_key_value_heads",), heads)
     activation = _first(config, ("activation_function", "hidden_act"), "gelu")
+    activation = FUSED_ACTIVATIONS.get(activation, activation)  # as build_causal_lm computes it
     dropout = _first(config, ("resid_pdrop", "dropout", "hidden_dropout_prob"), 0.0) > 0
     attention_dropout = _first(config, ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob"), 0.0) > 0
     in_blocks = [n for n in linears if _in_block(n)]
@@ -231,6 +239,7 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
         kv_heads=kv_heads,
         embedding_dropout=dropout and any(isinstance(m, torch.nn.Dropout) for _, m in outside),
         total_params=sum(p.numel() for p in model.parameters()),
+        output_layer=next((n for n, m in model.named_modules() if m is output), "") if output is not None else "",
         linears=linears,
         quantizable=tuple(quantizable),
         head_params=sum(p.numel() for n in head for p in getattr(model, n).parameters()),
@@ -390,6 +399,7 @@ class Plan:
     seq: int
     processes: int
     gradient_checkpointing: bool
+    chunked_loss: bool
     total_params: int
     trainable_params: int
     weights: float
@@ -429,12 +439,17 @@ class Plan:
             ("saved activations", self.saved_activations, f"batch {self.batch} x seq {self.seq}"
              + (", bf16 autocast (with weight copies)" if self.dtype == "bf16" else "")
              + (", checkpointed" if self.gradient_checkpointing else "")),
-            ("backward transient", self.backward_extra, "loss gradients over the vocabulary"
-             + (", one recomputed layer" if self.gradient_checkpointing else "") if self.backward_extra else ""),
+            ("backward transient", self.backward_extra, self._transient() if self.backward_extra else ""),
         ]
         if self.overhead:
             rows.append(("runtime", self.overhead, self.overhead_what))
         return rows
+
+    def _transient(self) -> str:
+        if self.chunked_loss:
+            return "the larger of one recomputed layer and one chunk of the loss's logits" \
+                if self.gradient_checkpointing else "one chunk of the loss's logits, in forward"
+        return "loss gradients over the vocabulary" + (", one recomputed layer" if self.gradient_checkpointing else "")
 
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -455,13 +470,13 @@ def check_adapter_modelled(adapter) -> None:
 
 def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | None = None,
          max_length: int | None = None, processes: int = 1, dtype: str = "fp32", quantize: str | None = None,
-         gradient_checkpointing: bool = False, device: str = "cuda", zero: int = 0) -> Plan:
+         gradient_checkpointing: bool = False, device: str = "cuda", zero: int = 0, chunked_loss: bool = True) -> Plan:
     """Predict one process's peak tensor memory for fine-tuning ``preset`` with ``method`` (full, lora, qlora).
 
     ``adapter`` is an AdapterSpec (default: rank 8 on the preset's targets); ``quantize`` is '4bit' (NF4, the
     default for qlora) or '8bit'; ``batch_size`` is per process; ``max_length`` is the padded sequence length
     (default: the preset's); ``device`` is 'cuda' or 'cpu' (see ``layer_activations``); ``zero`` the ZeRO stage
-    over ``processes`` (0: plain DDP).
+    over ``processes`` (0: plain DDP); ``chunked_loss`` the LoRA workflow's loss (its default), else the plain one.
     """
     from my_utils.core.adapters import AdapterSpec
     from my_utils.core.presets import get_preset
@@ -494,7 +509,7 @@ def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | N
                         f"rank-{width} update is already a full one; use --rank {width} or less.")
     return estimate(arch, method, quantize=quantize, rank=adapter.rank, targets=adapter.targets, batch=batch, seq=seq,
                     processes=processes, dtype=dtype, gradient_checkpointing=gradient_checkpointing, device=device,
-                    zero=zero)
+                    zero=zero, chunked_loss=chunked_loss)
 
 
 def check_zero(zero: int, processes: int, quantize: str) -> None:
@@ -527,7 +542,7 @@ def shard(plan: Plan, arch: Architecture, zero: int) -> Plan:
 
 def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: int = 8, targets=(), batch: int,
              seq: int, processes: int = 1, dtype: str = "fp32", gradient_checkpointing: bool = False,
-             device: str = "cuda", zero: int = 0) -> Plan:
+             device: str = "cuda", zero: int = 0, chunked_loss: bool = True) -> Plan:
     """The plan for an architecture (``plan`` fills in a preset's defaults and checks the arguments)."""
     dtype_bytes = DTYPES[dtype]
     in_blocks = [n for n in arch.linears if _in_block(n)]
@@ -560,6 +575,8 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
     first_block_copies = 0  # of them, the first block's query/key/value projections (see below)
     if autocast:
         for n, (d_in, d_out, _) in arch.linears.items():
+            if n == arch.output_layer and chunked_loss:
+                continue  # the chunked loss casts the output layer's weight inside its function, keeping no copy
             if n not in arch.quantizable or quantize == "none":
                 copies[_in_block(n)] += d_in * d_out
                 first_block_copies += d_in * d_out / arch.layers if _in_block(n) and _role_of(n) == "qkv" else 0
@@ -588,7 +605,14 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
     edges = (arch.extra_norms * _norm_bytes(arch, tokens, method == "full")
              + tokens * arch.hidden * arch.embedding_dropout * mask_bytes + copies[False] * dtype_bytes)
     backward_extra = one_layer if gradient_checkpointing else 0
-    if arch.role == "causal":
+    if arch.role == "causal" and chunked_loss:
+        # my_utils.core.chunked_loss keeps, from forward to backward, the gradients it computed: the hidden
+        # states' (fp32) and, where the output layer trains, its weight's; the logits exist one chunk at a time
+        # (fp32, the log-sum-exp's temporary, and under autocast the product's bf16), every activation still held.
+        edges += tokens * arch.hidden * 4 + (arch.vocab * arch.hidden * 4 if method == "full" else 0)
+        rows = min(tokens, max(1, CHUNK_BYTES // (4 * arch.vocab)))
+        backward_extra = max(backward_extra, rows * arch.vocab * (2 * 4 + (dtype_bytes if autocast else 0)))
+    elif arch.role == "causal":
         edges += tokens * arch.vocab * 4  # the loss keeps fp32 log-probabilities
         # Backward starts by making their gradient and the logits' gradient (fp32, then cast to the compute
         # dtype) while every saved activation is still held.
@@ -597,7 +621,8 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
             edges += tokens * arch.hidden * dtype_bytes  # the input of the (trainable) output layer
     return shard(Plan(preset=arch.name, method=method if method != "qlora" else f"qlora-{quantize}", dtype=dtype,
                       rank=rank if method != "full" else None, batch=batch, seq=seq, processes=processes,
-                      gradient_checkpointing=gradient_checkpointing, total_params=total, trainable_params=trainable,
+                      gradient_checkpointing=gradient_checkpointing,
+                      chunked_loss=chunked_loss and arch.role == "causal", total_params=total, trainable_params=trainable,
                       weights=weights, gradients=gradients, optimizer=optimizer, saved_activations=layers + edges,
                       backward_extra=backward_extra, ddp_buckets=gradients if processes > 1 else 0), arch, zero)
 
@@ -738,6 +763,7 @@ def plan_for_run(summary: dict, rank: int = 0) -> Plan:
                 quantize=None if quantization is None else f"{quantization['bits']}bit",
                 batch_size=first["batch_size"], max_length=first["seq_len"],
                 processes=summary["world_size"], gradient_checkpointing=summary.get("gradient_checkpointing", False),
+                chunked_loss=summary.get("chunked_loss", False),  # runs from before it had the plain loss
                 dtype="fp32" if summary["mixed_precision"] == "no" else "bf16",  # fp16 autocast: 2 bytes as bf16
                 device="cuda" if summary["memory"][rank]["end"]["device"].startswith("cuda") else "cpu")
 
@@ -814,6 +840,8 @@ def main(argv=None) -> Plan:
     ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
                     help="compute dtype (bf16: mixed precision, autocast over fp32 weights)")
     ap.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
+    ap.add_argument("--plain-loss", action="store_true",
+                    help="the whole logits at once (the workflow's --no-chunked-loss), not its chunked loss")
     ap.add_argument("--device", help=f"the device to fit: {', '.join(DEVICES)}, or cpu (this machine's memory "
                     "shared by the processes; adds the measured process baseline)")
     ap.add_argument("--memory", help="the memory to fit per device instead, e.g. 24GiB")
@@ -832,7 +860,8 @@ def main(argv=None) -> Plan:
     p = plan(args.preset, args.method, adapter=build_config(AdapterSpec, vars(args)), batch_size=args.batch_size,
              max_length=args.max_length,
              processes=args.processes, dtype=args.dtype, quantize=args.quantize,
-             gradient_checkpointing=args.gradient_checkpointing, device="cpu" if on_cpu else "cuda", zero=args.zero)
+             gradient_checkpointing=args.gradient_checkpointing, device="cpu" if on_cpu else "cuda", zero=args.zero,
+             chunked_loss=not args.plain_loss)
     quantize = p.method.split("-", 1)[1] if p.method.startswith("qlora") else "none"
     with_runtime(p, "cpu" if on_cpu else "cuda", measure_baseline_rss(quantize) if on_cpu else None)
     if args.json:

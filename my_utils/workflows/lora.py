@@ -80,6 +80,9 @@ class Config(RunSettings):
     eval_rows: int = setting(100, "held-out rows for the loss, exact match and similarity")
     max_new_tokens: int = setting(16, "tokens generated per held-out answer")
     gradient_checkpointing: bool = setting(False, "trade compute for activation memory")
+    chunked_loss: bool = setting(True, "compute the training loss a chunk of tokens at a time, never holding the "
+                                 "whole float32 logits (same loss and gradients; summary.json says whether the "
+                                 "architecture allowed it)")
     data_file: str | None = setting(None, "JSON-lines file with instruction, input, output (default: the preset's "
                                     "data)")
     logging_steps: int = setting(10, "steps between metrics lines")
@@ -229,6 +232,7 @@ def train(cfg: Config) -> dict:
     from my_utils.core.data import padding_collator
     from my_utils.core.devices import per_rank_device, per_rank_device_map
     from my_utils.core.evaluation import held_out_loss
+    from my_utils.core.chunked_loss import use_chunked_loss
     from my_utils.core.models import add_lora, build_causal_lm, count_parameters
     from my_utils.core.printing import print0
     from my_utils.run.callbacks import TokenCounter, make_callbacks
@@ -249,6 +253,7 @@ def train(cfg: Config) -> dict:
         if cfg.method == "lora":
             model = add_lora(model, cfg.adapter)  # peft's LoraConfig from the spec: cfg.adapter.lora_config(...)
         # endregion
+        chunked_loss = cfg.chunked_loss and use_chunked_loss(model)
         install_fake_oom(model)
         params = count_parameters(model)
         print0(f"trainable parameters: {params['trainable']:,} of {params['total']:,} "
@@ -270,7 +275,8 @@ def train(cfg: Config) -> dict:
             model, inputs["eval_set"], padding_collator(tokenizer), cfg.batch_size, _autocast_dtype(cfg))
         result, runtime = _fit(trainer, life.checkpoint, reliability["stop"], world_size, cfg.timeout_s)
         measured = {
-            "runtime": runtime, "params": params, "learning_rate": learning_rate, "memory": memory_cb.report,
+            "chunked_loss": chunked_loss, "runtime": runtime, "params": params, "learning_rate": learning_rate,
+            "memory": memory_cb.report,
             "tokens": sum(life.gather(counter.tokens) or [0]),
             "first_batches": life.gather(counter.previews[0] if counter.previews else None),
             "eval_loss_before": eval_loss_before, "eval": trainer.evaluate(), "before": before,
@@ -426,6 +432,7 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
         "lr_scaling": cfg.lr_scaling,
         "mixed_precision": cfg.mixed_precision,
         "gradient_checkpointing": cfg.gradient_checkpointing,
+        "chunked_loss": measured["chunked_loss"],  # the setting, where the architecture allows it
         "max_length": cfg.max_length,
         "steps": steps,
         "resumed_from_step": start_step if checkpoint else None,

@@ -35,14 +35,16 @@ class LoopConfig:
 
 def bare_loop(cfg: LoopConfig) -> dict:
     """A bare accelerate + peft training loop: plain DataLoader, AdamW, the preset's schedule with 5 % warm-up,
-    gradient clipping at 1 (the workflow's settings, so that both do the same arithmetic). Returns its figures: the whole
-    loop from ``accelerator.prepare`` (as Trainer.train is timed) and the steady state after ``warmup_steps``."""
+    gradient clipping at 1, the chunked loss (the workflow's settings, so that both do the same arithmetic). Returns
+    its figures: the whole loop from ``accelerator.prepare`` (as Trainer.train is timed) and the steady state after
+    ``warmup_steps``."""
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
     from my_utils.core.adapters import AdapterSpec
+    from my_utils.core.chunked_loss import use_chunked_loss
     from my_utils.core.models import add_lora, build_causal_lm, set_threads
     from my_utils.core.presets import get_preset
     from my_utils.tools.bench.flops import model_flops_per_token
@@ -57,6 +59,7 @@ def bare_loop(cfg: LoopConfig) -> dict:
     loader, counter = _loader(cfg, preset, model.config.vocab_size, batch_size, max_length)
     if cfg.method == "lora":
         model = add_lora(model, AdapterSpec(rank=cfg.rank).resolved(preset.lora_targets))
+    use_chunked_loss(model)  # the workflow's loss, by default
     flops = model_flops_per_token(model, max_length, cfg.method)
     learning_rate = cfg.learning_rate or (preset.learning_rate if cfg.method == "lora" else preset.learning_rate / 10)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate,

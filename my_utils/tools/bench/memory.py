@@ -1,8 +1,9 @@
 """``memory``: one training step of the gpt2 architecture (random weights, batch 4 x 256, one fresh process each):
 LoRA's peak against full fine-tuning's, <= 0.5 (peak allocated on CUDA; on a CPU the weights and AdamW states plus
-the RSS rise during the step); the same with gradient checkpointing on both; what checkpointing saves (activations
-kept for backward) and costs (step time); and, through ``run-qlora --weights-only`` (``qlora.py``), 4-bit NF4
-weights against bf16 on the opt-350m architecture, <= 0.35.
+the RSS rise during the step), both with the course's chunked loss (``my_utils.core.chunked_loss``), and each
+method's peak with it against the plain loss's; the same with gradient checkpointing on both; what checkpointing
+saves (activations kept for backward) and costs (step time); and, through ``run-qlora --weights-only``
+(``qlora.py``), 4-bit NF4 weights against bf16 on the opt-350m architecture, <= 0.35.
 
     python -m my_utils bench run-step --preset gpt2 --method full --output-dir DIR     # one measured step
 """
@@ -21,7 +22,8 @@ from my_utils.tools.bench.harness import Settings, bench_env, python_command, ra
 NAME = "memory"
 HELP = ("one training step's peak memory, LoRA against full fine-tuning (gpt2 architecture), <= 0.5, with and "
         "without gradient checkpointing; 4-bit NF4 weights against bf16 (opt-350m), <= 0.35")
-TARGETS = {"lora_over_full_peak": 0.5, "weights_4bit_over_bf16": qlora.TARGETS["weights_4bit_over_bf16"]}
+TARGETS = {"lora_over_full_peak": 0.5, "weights_4bit_over_bf16": qlora.TARGETS["weights_4bit_over_bf16"],
+           "planner_error": 0.15}
 ORDER = 40
 
 
@@ -37,35 +39,62 @@ def run(s: Settings, folder: Path):
     peak = {k: v["peak_bytes"] for k, v in steps.items()}
     rows = [
         ratio_row(NAME, "peak training memory", "LoRA r=8", "full fine-tuning", peak["lora"] / peak["full"],
-                  target=TARGETS["lora_over_full_peak"], at_most=True, detail=f"{shape}, {steps['lora']['peak_what']}"),
+                  target=TARGETS["lora_over_full_peak"], at_most=True,
+                  detail=f"{shape}, chunked loss, {steps['lora']['peak_what']}"),
+        ratio_row(NAME, "peak training memory", "LoRA r=8, plain loss", "full fine-tuning, plain loss",
+                  peak["lora_plain"] / peak["full_plain"], detail=f"{shape}, the whole logits held"),
+        *(ratio_row(NAME, "peak training memory", f"{method}, chunked loss", f"{method}, plain loss",
+                    peak[method] / peak[f"{method}_plain"], detail=shape) for method in ("lora", "full")),
         ratio_row(NAME, "peak training memory", "LoRA r=8, checkpointed", "full fine-tuning, checkpointed",
                   peak["lora_ckpt"] / peak["full_ckpt"], detail=shape),
         ratio_row(NAME, "peak training memory", "LoRA r=8, checkpointed", "full fine-tuning",
                   peak["lora_ckpt"] / peak["full"], detail=shape),
     ]
     for method in ("lora", "full"):
-        plain, ckpt = steps[method], steps[f"{method}_ckpt"]
+        stored, ckpt = steps[method], steps[f"{method}_ckpt"]
         rows += [
             ratio_row(NAME, "activations kept for backward", f"{method}, checkpointed", f"{method}, not checkpointed",
-                      ckpt["saved_activation_bytes"] / plain["saved_activation_bytes"], detail=shape),
+                      ckpt["saved_activation_bytes"] / stored["saved_activation_bytes"], detail=shape),
             ratio_row(NAME, "step time", f"{method}, checkpointed", f"{method}, not checkpointed",
-                      ckpt["step_s"] / plain["step_s"], cpu_ratio=ckpt["step_cpu_s"] / plain["step_cpu_s"],
+                      ckpt["step_s"] / stored["step_s"], cpu_ratio=ckpt["step_cpu_s"] / stored["step_cpu_s"],
                       detail=f"{shape}, one step each"),
         ]
+    planned = {name: planner_ratios(step) for name, step in steps.items()}
+    rows += [ratio_row(NAME, "planner's error: |planned / measured - 1|, worst part", f"python -m my_utils plan, {name}",
+                       "the step's tensors", max(abs(r - 1) for r in ratios.values()),
+                       target=TARGETS["planner_error"], at_most=True,
+                       detail=", ".join(f"{part} {r:.3f}" for part, r in ratios.items()))
+             for name, ratios in planned.items()]
     rows.append(qlora.weights_row(NAME, weights, s.qlora_preset))
-    return {"steps": steps, "qlora_weights": weights}, rows
+    return {"steps": steps, "planned_over_measured": planned, "qlora_weights": weights}, rows
+
+
+def planner_ratios(step: dict) -> dict[str, float]:
+    """Planned / measured bytes of each part of a ``run-step`` (weights, gradients, AdamW states, saved
+    activations), the plan made for the same architecture, method, batch, precision, checkpointing and loss."""
+    from my_utils.tools.planner import plan
+
+    p = plan(step["preset"], step["method"], batch_size=step["batch"], max_length=step["seq"], device="cpu",
+             dtype="bf16" if step["precision"].startswith("bf16") else "fp32",
+             gradient_checkpointing=step["gradient_checkpointing"], chunked_loss=step["chunked_loss"])
+    return {"weights": p.weights / step["weight_bytes"], "gradients": p.gradients / step["gradient_bytes"],
+            "AdamW states": p.optimizer / step["optimizer_state_bytes"],
+            "saved activations": p.saved_activations / step["saved_activation_bytes"]}
 
 
 def _measured_steps(s: Settings, folder: Path, env: dict) -> dict:
-    """``run-step`` of full fine-tuning and LoRA, without and with gradient checkpointing, one process each."""
+    """``run-step`` of full fine-tuning and LoRA: the course's step, with gradient checkpointing, with the plain
+    loss; one process each."""
     from tqdm.auto import tqdm
 
-    configs = {f"{method}{'_ckpt' if ckpt else ''}": (method, ckpt) for ckpt in (False, True) for method in ("full", "lora")}
+    configs = {f"{method}{suffix}": (method, flags) for suffix, flags in
+               (("", []), ("_ckpt", ["--gradient-checkpointing"]), ("_plain", ["--plain-loss"]))
+               for method in ("full", "lora")}
     steps = {}
-    for name, (method, ckpt) in tqdm(configs.items(), desc=NAME, unit="run", file=sys.stdout):
+    for name, (method, flags) in tqdm(configs.items(), desc=NAME, unit="run", file=sys.stdout):
         out = folder / name
         run_logged(python_command("run-step", "--preset", s.memory_preset, "--method", method, "--batch-size",
-                                  s.memory_batch_size, "--max-length", s.memory_max_length, *(["--gradient-checkpointing"] if ckpt else []),
+                                  s.memory_batch_size, "--max-length", s.memory_max_length, *flags,
                                   "--output-dir", out), folder / f"{name}.log", env)
         steps[name] = read_json(out / "summary.json")
     return steps
@@ -81,24 +110,28 @@ def step_main(argv) -> None:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--plain-loss", action="store_true", help="the whole logits at once, not the chunked loss")
     p.add_argument("--output-dir", required=True)
     args = p.parse_args(argv)
-    recorded_run(args.output_dir, vars(args), lambda: measured_step(args.preset, args.method, args.batch_size, args.max_length,
-                                                                   args.gradient_checkpointing))
+    recorded_run(args.output_dir, vars(args), lambda: measured_step(
+        args.preset, args.method, args.batch_size, args.max_length, args.gradient_checkpointing,
+        chunked_loss=not args.plain_loss))
 
 
-def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_checkpointing: bool) -> dict:
+def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_checkpointing: bool,
+                  chunked_loss: bool = True) -> dict:
     """One AdamW step of ``batch`` x ``seq`` random tokens after a small warm-up step (so that AdamW's states
     exist, as in every step but the first, and the code the step runs is loaded), with the peak counters reset
     just before it. The peak: on CUDA, peak allocated memory; on a CPU, the weights and AdamW's states (from their
     tensors) plus how far the RSS rose above its level at the start of the step (activations, gradients,
     temporaries), so that neither the libraries' memory nor code loaded on first use counts as training memory.
     bf16 autocast when the benchmark runs in bf16 (by default where the device computes it natively, as the LoRA
-    workflow)."""
+    workflow), with the course's chunked loss unless ``chunked_loss`` is False."""
     import gc
 
     import torch
 
+    from my_utils.core.chunked_loss import use_chunked_loss
     from my_utils.core.devices import per_rank_device
     from my_utils.core.memory import peak_bytes, reset_peak, snapshot
     from my_utils.core.models import set_threads
@@ -109,6 +142,7 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
     device = per_rank_device()
     before_model = snapshot(device)
     model = _model(preset_name, method, gradient_checkpointing, device)
+    chunked_loss = chunked_loss and use_chunked_loss(model)
     bf16 = os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16"  # set by ``bench_env``, as for every measured run
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     step = _step_function(model, optimizer, device, bf16)
@@ -129,7 +163,8 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
     weights, states = model_weight_bytes(model), optimizer_state_bytes(optimizer)
     return {
         "preset": preset_name, "method": method, "batch": batch, "seq": seq,
-        "gradient_checkpointing": gradient_checkpointing, "precision": "bf16 autocast" if bf16 else "fp32",
+        "gradient_checkpointing": gradient_checkpointing, "chunked_loss": chunked_loss,
+        "precision": "bf16 autocast" if bf16 else "fp32",
         "threads": torch.get_num_threads(), "device": device,
         "weight_bytes": weights, "gradient_bytes": gradients, "optimizer_state_bytes": states,
         "saved_activation_bytes": saved.bytes,
