@@ -71,6 +71,14 @@ def opt_like_config():
                                 do_layer_norm_before=False)
 
 
+def gpt2_like_config():
+    """A small GPT-2 with its dropout (0.1 on the residuals, embeddings and attention weights): on a CPU no fused
+    attention kernel takes attention dropout."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("gpt2", n_embd=96, n_layer=2, n_head=4, vocab_size=500, n_positions=128)
+
+
 def llama_like_config():
     """A small Llama (RMSNorm, SwiGLU, grouped-query attention: 6 query heads share 2 key/value heads, tied
     embeddings), every width distinct so that a wrong one shows."""
@@ -83,22 +91,28 @@ def llama_like_config():
 
 @pytest.mark.parametrize("loss", ["chunked", "plain"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("model_name", ["tiny", "opt-like", "llama-like"])
+@pytest.mark.parametrize("model_name", ["tiny", "gpt2-like", "opt-like", "llama-like"])
 @pytest.mark.parametrize("method", ["full", "lora", "lora-all-linear"])
 def test_activation_model_matches_what_autograd_keeps(model_name, method, dtype, loss, tiny):
     """The layer-by-layer rule against the bytes autograd really saves, on a CPU (dropout on where the model has
-    it, padded batch): GPT-2's fused attention, OPT's post-LN blocks, Llama's RMSNorm, gated MLP and grouped-query
+    it, padded batch): GPT-2's fused attention, and its plain attention where attention dropout is on (float32
+    even under autocast), OPT's post-LN blocks, Llama's RMSNorm, gated MLP and grouped-query
     attention; adapters on the attention only (each preset's default) or on every linear layer of the blocks; the
     workflow's chunked loss and the plain one."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from my_utils.core.models import build_causal_lm
+    from my_utils.core.models import build_causal_lm, fused_activation
     from my_utils.core.presets import get_preset
 
     torch.manual_seed(0)
     if model_name == "tiny":
         arch, targets, model = tiny, ("c_attn",), build_causal_lm(get_preset("tiny"))
+        every = TINY_TARGETS
+    elif model_name == "gpt2-like":
+        config = gpt2_like_config()
+        arch, targets, model = planner.architecture_from_config(config, model_name), ("c_attn",), \
+            fused_activation(AutoModelForCausalLM.from_config(config))
         every = TINY_TARGETS
     else:
         config = opt_like_config() if model_name == "opt-like" else llama_like_config()

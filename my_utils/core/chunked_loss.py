@@ -45,34 +45,37 @@ def linear_cross_entropy(hidden, weight, bias, labels, *, num_items_in_batch=Non
 def _chunk_loss_and_gradients(hidden, weight, bias, targets, denominator, rows, ignore_index, wants):
     """The loss, and the gradients of hidden, weight and bias that ``wants`` asks for, a chunk of rows at a time.
     The gradient of the loss with respect to a chunk's logits is (softmax - one-hot) / denominator, computed in
-    place of the logits; under autocast the two products below run in its precision, as in the plain backward."""
+    place of the logits. The products run in autocast's precision where it is on, as in the plain forward and
+    backward, from one copy of the weight cast once (autocast would cast it again for every product)."""
     import torch
     import torch.nn.functional as F
 
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if wants[0] else None
     grad_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
     grad_bias = torch.zeros_like(bias, dtype=torch.float32) if wants[2] else None
-    autocast = torch.is_autocast_enabled(hidden.device.type)
-    for start in range(0, hidden.shape[0], rows):
-        h, t = hidden[start:start + rows], targets[start:start + rows]
-        logits = F.linear(h, weight, bias).float()
-        log_total = torch.logsumexp(logits, dim=-1)
-        counted = t != ignore_index
-        safe = t.masked_fill(~counted, 0)
-        total += ((log_total - logits.gather(1, safe[:, None]).squeeze(1)) * counted).sum()
-        if not any(wants):
-            continue
-        grad = logits.sub_(log_total[:, None]).exp_()  # softmax, in place of the logits
-        grad[torch.arange(len(t), device=t.device), safe] -= 1
-        grad.mul_((counted / denominator)[:, None])
-        grad = grad if autocast else grad.to(weight.dtype)
-        if grad_hidden is not None:
-            grad_hidden[start:start + rows] = grad @ weight
-        if grad_weight is not None:
-            grad_weight += grad.T @ h
-        if grad_bias is not None:
-            grad_bias += grad.sum(0)
+    with torch.autocast(device, enabled=False):
+        for start in range(0, hidden.shape[0], rows):
+            h, t = hidden[start:start + rows].to(dtype), targets[start:start + rows]
+            logits = F.linear(h, w, b).float()
+            log_total = torch.logsumexp(logits, dim=-1)
+            counted = t != ignore_index
+            safe = t.masked_fill(~counted, 0)
+            total += ((log_total - logits.gather(1, safe[:, None]).squeeze(1)) * counted).sum()
+            if not any(wants):
+                continue
+            grad = logits.sub_(log_total[:, None]).exp_()  # softmax, in place of the logits
+            grad[torch.arange(len(t), device=t.device), safe] -= 1
+            grad = grad.mul_((counted / denominator)[:, None]).to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:start + rows] = grad @ w
+            if grad_weight is not None:
+                grad_weight += grad.T @ h
+            if grad_bias is not None:
+                grad_bias += grad.sum(0)
     return total / denominator, (grad_hidden, grad_weight, grad_bias)
 
 

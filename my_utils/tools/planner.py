@@ -351,8 +351,9 @@ def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, 
     share them, and keeps less).
     Two things depend on the ``device``: a fused attention kernel keeps only its inputs, output and one number
     per head and query, but on a CPU none takes attention dropout, so the plain path keeps three (batch x heads
-    x seq x seq) matrices (weights, dropout mask, dropped weights); and a CPU dropout keeps its mask as a full
-    tensor of the activation dtype where CUDA keeps one byte per element.
+    x seq x seq) matrices (weights, dropout mask, dropped weights), in float32 even under autocast, as are its
+    queries, keys and values; and a CPU dropout keeps its mask as a full tensor of the activation dtype where CUDA
+    keeps one byte per element.
     """
     held = held or {}
     tokens = batch * seq
@@ -370,11 +371,14 @@ def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, 
             return n * size * act_bytes + (size * RESIDUAL_BYTES if n_held else 0)
         return size * act_bytes if (n or n_held) and not already_kept else 0
 
+    # The plain path on a CPU computes attention in float32 even under autocast (torch upcasts its inputs).
+    attention_bytes = act_bytes if fused else RESIDUAL_BYTES
     own = (
         2 * _norm_bytes(arch, tokens, norms_train)  # what the two norms keep
+        + 3 * tq * attention_bytes  # queries, keys and values (the fused kernel keeps them, or views of the fused
+        # projection)
         + act_bytes * (
-            3 * tq  # queries, keys and values (the fused kernel keeps them, or views of the fused projection)
-            + tq * fused  # the attention output, kept by a fused kernel (otherwise by its projection, if it trains)
+            tq * fused  # the attention output, kept by a fused kernel (otherwise by its projection, if it trains)
             + saved * tf  # the activation function's own tensors (and a gated MLP's two factors)
             + tokens * rank * sum(kept.values())  # LoRA keeps each adapter's A x input for B's gradient
         )
@@ -384,7 +388,8 @@ def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, 
     if fused:
         attention = 4 * batch * arch.heads * seq + batch * seq * seq * act_bytes  # log-sum-exp, padding mask
     else:
-        attention = batch * arch.heads * seq * seq * (2 * act_bytes + mask_bytes)  # weights, mask, dropped weights
+        # weights, mask (on a CPU, of the weights' dtype) and dropped weights
+        attention = batch * arch.heads * seq * seq * 3 * attention_bytes
     masks = 2 * th * mask_bytes if arch.dropout else 0  # the two residual dropouts
     return own + projections + attention + masks
 
