@@ -127,12 +127,12 @@ def _check_adapter_folder_stands_alone(out_dir, run, summary):
 
 
 @pytest.mark.parametrize("cuda, cpu_flags, quantize, expected", [
-    (False, {"_is_avx512_bf16_supported": True}, "none", "bf16"),  # a CPU with native bf16
-    (False, {"_is_amx_tile_supported": True}, "none", "bf16"),
+    (False, {"_is_amx_tile_supported": True, "_is_avx512_bf16_supported": True}, "none", "bf16"),  # AMX
+    (False, {"_is_avx512_bf16_supported": True}, "none", "no"),  # native bf16 dot products, slower training
     (False, {}, "none", "no"),  # bf16 would be emulated: slower than fp32
-    (False, {"_is_avx512_bf16_supported": True}, "4bit", "no"),  # bitsandbytes' CPU path stays in fp32
+    (False, {"_is_amx_tile_supported": True}, "4bit", "no"),  # bitsandbytes' CPU path stays in fp32
 ])
-def test_auto_mixed_precision_is_bf16_only_where_native(monkeypatch, cuda, cpu_flags, quantize, expected):
+def test_auto_mixed_precision_is_bf16_only_where_faster(monkeypatch, cuda, cpu_flags, quantize, expected):
     import torch
 
     from my_utils.core import devices

@@ -95,8 +95,8 @@ class Config(RunSettings):
                                "generation evaluation)")
     auto_batch_size: bool = setting(False, "on out-of-memory, retry with a smaller per-process batch (recorded in "
                                     "summary.json)")
-    mixed_precision: str = setting("auto", "auto: bf16 where the device computes it natively (recent GPUs, CPUs "
-                                   "with AVX-512 BF16 or AMX), else no; fp16 needs a GPU", choices=MIXED_PRECISION)
+    mixed_precision: str = setting("auto", "auto: bf16 where it trains faster than fp32 (GPUs with bf16, CPUs with "
+                                   "AMX), else no; fp16 needs a GPU", choices=MIXED_PRECISION)
     trust_remote_code: bool = setting(False, "let a hub model run its own Python code (off: only transformers' own "
                                       "classes load)")
 
@@ -175,15 +175,15 @@ def training_learning_rate(cfg: Config, preset, world_size: int) -> float:
 
 
 def default_mixed_precision(quantize: str) -> str:
-    """bf16 where the device computes it natively, as trl's SFTConfig defaults to: on such a CPU it doubles the
-    matmul rate and the tiny lessons learn as well (``python -m my_utils bench trainer`` measures both). A quantized
-    model on a CPU keeps fp32 compute: bitsandbytes' CPU kernels are what the QLoRA lesson checks."""
-    from my_utils.core.devices import native_bf16
+    """bf16 where it trains faster than fp32 (``fast_bf16``: a GPU with bf16, a CPU with AMX), as trl's SFTConfig
+    defaults to bf16 on such GPUs; fp32 elsewhere, where bf16 is slower even when the CPU computes it natively. A
+    quantized model on a CPU keeps fp32 compute: bitsandbytes' CPU kernels are what the QLoRA lesson checks."""
+    from my_utils.core.devices import fast_bf16
     from my_utils.run.launch import is_cpu_only
 
     if quantize != "none" and is_cpu_only():
         return "no"
-    return "bf16" if native_bf16() else "no"
+    return "bf16" if fast_bf16() else "no"
 
 
 def load_inputs(cfg: Config, preset, world_size: int) -> dict:

@@ -25,16 +25,10 @@ def course_args(s: Settings, out: Path, batch_size: int, num_processes: int | No
 def course_figures(out: Path) -> dict:
     """A LoRA workflow run's training figures: its summary and the per-rank timing written by ``run-course``."""
     from my_utils.run.results import load_run
+    from my_utils.tools.bench.loop import over_ranks
 
     summary = read_json(out / "summary.json")
     ranks = [read_json(p) for p in sorted((out / "timing").glob("rank_*.json"))]
-
-    def over_ranks(figures):  # tokens of every rank, per second of the slowest (wall) and busiest (CPU) one
-        tokens = sum(f["tokens"] for f in figures)
-        return {"tokens": tokens, "padded_tokens": sum(f["padded_tokens"] for f in figures),
-                "tokens_per_s": tokens / max(f["runtime_s"] for f in figures),
-                "cpu_tokens_per_s": tokens / max(f["cpu_s"] for f in figures)}
-
     return {**over_ranks(ranks), "steady": over_ranks([r["steady"] for r in ranks]),
             "summary_tokens_per_s": summary["tokens_per_s"], "runtime_s": summary["runtime_s"],
             "world_size": summary["world_size"], "settings": ranks[0]["settings"],

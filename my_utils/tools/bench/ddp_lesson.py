@@ -39,7 +39,8 @@ def run(s: Settings, folder: Path):
                     "--untimed-steps", WARMUP_STEPS, "--logging-steps", steps, "--num-processes", processes,
                     "--output-dir", out])]
 
-    result = process_scaling(folder, command, run_figures, s.repeats_for(NAME), bench_env(s, threads=1), NAME)
+    result = process_scaling(folder, {"lesson": (command, run_figures)}, s.repeats_for(NAME),
+                             bench_env(s, threads=1), NAME)["lesson"]
     rows = [ratio_row(NAME, "samples/s, training", "DDP lesson (torchrun), 2 processes x 1 thread",
                       "1 process x 1 thread", result["ratio"], target=TARGETS["ddp_lesson"],
                       cpu_ratio=result["cpu_time_ratio"],

@@ -164,32 +164,41 @@ def alternate(variants: dict, repeats: int, folder: Path, env: dict, desc: str) 
     return done
 
 
-def process_scaling(folder: Path, command, figures, repeats: int, env: dict, desc: str) -> dict:
-    """Alternate 1-process and 2-process runs of one workflow: ``command(processes, out)`` builds a run's command
-    line, ``figures(out)`` reads from its results folder the ``world_size`` its workers saw, its ``rate``
-    (samples/s, tokens/s...) and ``cpu_rate`` (the same per CPU-second of its busiest process). Returns both
-    configurations' figures, the ratio of median rates (2 processes over 1) and the same from CPU time."""
+def process_scaling(folder: Path, workflows: dict, repeats: int, env: dict, desc: str) -> dict:
+    """Alternate 1-process and 2-process runs of each workflow: ``workflows`` maps a name to ``(command, figures)``,
+    where ``command(processes, out)`` builds a run's command line and ``figures(out)`` reads from its results folder
+    the ``world_size`` its workers saw, its ``rate`` (samples/s, tokens/s...) and ``cpu_rate`` (the same per
+    CPU-second of its busiest process). Every run of every workflow alternates with the others, so that a change
+    of load hits them all. Returns, per workflow, both configurations' figures, the ratio of median rates (2
+    processes over 1) and the same from CPU time. Run i of workflow w on n processes writes ``folder/w_xn_i``."""
     from my_utils.run.launch import check_process_count
 
     check_process_count(2)
-    runs = alternate({"x1": lambda out: command(1, out), "x2": lambda out: command(2, out)}, repeats, folder, env, desc)
-    found = {n: [figures(p) for p in runs[f"x{n}"]] for n in (1, 2)}
-    for n, results in found.items():
-        if any(r["world_size"] != n for r in results):
-            raise RuntimeError(f"A run launched with {n} process(es) saw another world size; see its run.json.")
-    wall, cpu = throughput_ratio(found[2], found[1], "rate", "cpu_rate")
-    return {"x1": found[1], "x2": found[2], "ratio": wall, "cpu_time_ratio": cpu}
+    variants = {f"{name}_x{n}": (lambda out, c=command, n=n: c(n, out))
+                for name, (command, _) in workflows.items() for n in (1, 2)}
+    runs = alternate(variants, repeats, folder, env, desc)
+    scaling = {}
+    for name, (_, figures) in workflows.items():
+        found = {n: [figures(p) for p in runs[f"{name}_x{n}"]] for n in (1, 2)}
+        for n, results in found.items():
+            if any(r["world_size"] != n for r in results):
+                raise RuntimeError(f"A run launched with {n} process(es) saw another world size; see its run.json.")
+        wall, cpu = throughput_ratio(found[2], found[1], "rate", "cpu_rate")
+        scaling[name] = {"x1": found[1], "x2": found[2], "ratio": wall, "cpu_time_ratio": cpu}
+    return scaling
 
 
-def recorded_run(output_dir: str, config: dict, body) -> None:
+def recorded_run(output_dir: str, config: dict, body, main: bool = True) -> None:
     """A worker's results folder: create it, run ``body`` and write its figures as summary.json (failed or
-    interrupted else)."""
+    interrupted else). With several processes, each runs ``body`` and only the ``main`` one records."""
     from my_utils.run.lifecycle import recorded
     from my_utils.run.results import check_new_run_dir
 
-    run = Run.create(check_new_run_dir(output_dir), config=config)
+    run = Run.create(check_new_run_dir(output_dir), config=config) if main else None
     with recorded(run):
-        run.finish(body())
+        figures = body()
+        if run is not None:
+            run.finish(figures)
 
 
 # ---------------------------------------------------------------------------------------------------------------

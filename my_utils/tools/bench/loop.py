@@ -31,6 +31,7 @@ class LoopConfig:
     random_init: bool = False
     data_file: str | None = None
     seed: int = 0
+    mixed_precision: str | None = None  # default: the launcher's (ACCELERATE_MIXED_PRECISION, or its config file)
 
 
 def bare_loop(cfg: LoopConfig) -> dict:
@@ -52,7 +53,7 @@ def bare_loop(cfg: LoopConfig) -> dict:
     preset = get_preset(cfg.preset)
     set_threads()
     set_seed(cfg.seed)
-    accelerator = Accelerator()  # device and mixed precision from the launcher's environment
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision)  # device (and precision) from the launcher
     batch_size = cfg.batch_size or preset.batch_size
     max_length = cfg.max_length or preset.max_length
     model = build_causal_lm(preset, random_init=cfg.random_init)
@@ -175,18 +176,46 @@ def window_end(start: dict, counter) -> dict:
             "processed_tokens_per_s": padded / seconds, "processed_tokens_per_cpu_s": padded / cpu_seconds}
 
 
+def over_ranks(figures: list[dict]) -> dict:
+    """Windows of several processes (``window_end``'s figures, one per rank) as one: the tokens of every rank, per
+    second of the slowest (wall) and of the busiest (CPU) one."""
+    tokens = sum(f["tokens"] for f in figures)
+    return {"tokens": tokens, "padded_tokens": sum(f["padded_tokens"] for f in figures),
+            "tokens_per_s": tokens / max(f["runtime_s"] for f in figures),
+            "cpu_tokens_per_s": tokens / max(f["cpu_s"] for f in figures)}
+
+
 def loop_main(argv) -> None:
-    """``run-loop``: the bare accelerate + peft loop, into a results folder."""
+    """``run-loop``: the bare accelerate + peft loop, into a results folder; launched on several processes
+    (``accelerate launch``), a bare DDP loop whose summary holds every rank's figures."""
     from my_utils.run.config import OneLineParser
 
     p = OneLineParser(prog="python -m my_utils bench run-loop", description=bare_loop.__doc__)
-    _add_fields(p, LoopConfig, choices={"method": ("lora", "full"), "sampling": ("random", "group_by_length")})
+    _add_fields(p, LoopConfig, choices={"method": ("lora", "full"), "sampling": ("random", "group_by_length"),
+                                        "mixed_precision": ("no", "bf16", "fp16")})
     p.add_argument("--output-dir", required=True)
     args = p.parse_args(argv)
     cfg = LoopConfig(**{f.name: getattr(args, f.name) for f in fields(LoopConfig)})
     if cfg.steps <= cfg.warmup_steps:
         raise UserError(f"--steps must be above --warmup-steps ({cfg.warmup_steps}): the steady state comes after it.")
-    recorded_run(args.output_dir, asdict(cfg), lambda: bare_loop(cfg))
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    from my_utils.run.lifecycle import join_world
+
+    join_world(None)  # the world the launcher asked for, on a CPU too
+    state = PartialState()
+
+    def body():
+        figures = bare_loop(cfg)
+        ranks = gather_object([figures]) if state.use_distributed else [figures]
+        return {**figures, "world_size": state.num_processes, "ranks": ranks}
+
+    try:
+        recorded_run(args.output_dir, asdict(cfg), body, main=state.is_main_process)
+    finally:
+        if state.use_distributed:
+            state.destroy_process_group()  # else gloo may abort the finished process at exit
 
 
 def _add_fields(parser, cls, choices: dict) -> None:
