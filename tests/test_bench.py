@@ -171,3 +171,28 @@ def test_a_folder_left_by_a_stopped_bench_is_replaced_and_nothing_else_is(tmp_pa
         survivor.kill()
     left(tmp_path / "memory", "running", benchmark="something else")  # not this benchmark's folder
     assert benchmark_folder(tmp_path, "memory") == tmp_path / "memory_2"
+
+
+def test_alternate_adds_repeats_until_settled_or_the_cap(tmp_path):
+    from my_utils.tools.bench.harness import alternate, paired_ratio
+
+    def variants():
+        return {name: (lambda out: [sys.executable, "-c", "pass"]) for name in ("a", "b")}
+
+    calls = []
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+
+    def settled(done):
+        calls.append(len(done["a"]))
+        return len(done["a"]) >= 4
+
+    runs = alternate(variants(), 2, tmp_path / "one", {}, "test", settled=settled, max_repeats=6)
+    assert [len(runs["a"]), len(runs["b"])] == [4, 4] and calls == [2, 3, 4]  # asked only after the minimum
+    assert runs["a"][-1].name == "a_4"
+    capped = alternate(variants(), 2, tmp_path / "two", {}, "test", settled=lambda done: False, max_repeats=3)
+    assert len(capped["a"]) == 3
+    # paired ratios: one disturbed pair moves the median little, and the standard error says how settled it is
+    pair = paired_ratio([{"r": 1.0}, {"r": 1.02}, {"r": 0.5}], [{"r": 1.0}, {"r": 1.0}, {"r": 1.0}], "r")
+    assert pair["ratios"] == [1.0, 1.02, 0.5] and pair["median"] == 1.0
+    assert pair["standard_error"] == pytest.approx(1.2533 * 1.4826 * 0.02 / 3 ** 0.5)

@@ -143,8 +143,10 @@ def run_logged(cmd: list[str], log: Path, env: dict, ok_codes=(0,)) -> None:
         raise RuntimeError(f"a measured run failed (exit code {code}); the end of {log}:\n{tail}")
 
 
-def alternate(variants: dict, repeats: int, folder: Path, env: dict, desc: str) -> dict[str, list[Path]]:
-    """Run every variant ``repeats`` times, alternating (A B, then B A, ...), each in a fresh process.
+def alternate(variants: dict, repeats: int, folder: Path, env: dict, desc: str, settled=None,
+              max_repeats: int | None = None) -> dict[str, list[Path]]:
+    """Run every variant ``repeats`` times, alternating (A B, then B A, ...), each in a fresh process; then, if
+    ``settled(done)`` is given, more repeats until it returns True or ``max_repeats`` are done.
 
     ``variants`` maps a name to ``command(out_dir) -> list[str]``; run i of a variant writes ``folder/<name>_<i>``
     and logs to ``folder/<name>_<i>.log``. Returns each variant's results folders, in order.
@@ -153,10 +155,14 @@ def alternate(variants: dict, repeats: int, folder: Path, env: dict, desc: str) 
 
     done = {name: [] for name in variants}
     names = list(variants)
+    repeat = 0
     with tqdm(total=repeats * len(names), desc=desc, unit="run", file=sys.stdout) as bar:
-        for repeat in range(1, repeats + 1):
+        while repeat < repeats or (settled and repeat < (max_repeats or repeats) and not settled(done)):
+            repeat += 1
+            if repeat > repeats:
+                bar.total = repeat * len(names)
             for name in names if repeat % 2 else reversed(names):
-                bar.set_postfix_str(f"{name} {repeat}/{repeats}")
+                bar.set_postfix_str(f"{name} {repeat}")
                 out = folder / f"{name}_{repeat}"
                 run_logged(variants[name](out), folder / f"{name}_{repeat}.log", env)
                 done[name].append(out)
@@ -211,6 +217,17 @@ def throughput_ratio(measured: list[dict], baseline: list[dict], rate: str = "to
     wall = median(r[rate] for r in measured) / median(r[rate] for r in baseline)
     cpu = median(r[cpu_rate] for r in measured) / median(r[cpu_rate] for r in baseline)
     return wall, cpu
+
+
+def paired_ratio(measured: list[dict], baseline: list[dict], rate: str = "tokens_per_s") -> dict:
+    """The ratio of each pair of runs taken side by side (run i of each configuration: a change of load hits both),
+    their median, and the median's standard error (from their median absolute deviation, robust to one disturbed
+    pair)."""
+    ratios = [m[rate] / b[rate] for m, b in zip(measured, baseline)]
+    middle = median(ratios)
+    deviation = median(abs(r - middle) for r in ratios)
+    # 1.4826 x MAD estimates a normal spread's standard deviation; the median's standard error is 1.2533 x that / sqrt(n)
+    return {"ratios": ratios, "median": middle, "standard_error": 1.2533 * 1.4826 * deviation / len(ratios) ** 0.5}
 
 
 def ratio_row(benchmark: str, figure: str, measured: str, baseline: str, ratio: float, *, target: float | None = None,
