@@ -107,3 +107,30 @@ def test_gpt2_activation_is_one_kernel_and_the_same_function():
     ids = torch.randint(0, model.config.vocab_size, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, stock(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_loss_matches_and_the_planner_holds_against_cudas_counters(monkeypatch):
+    """CUDA's kernels give the same loss and gradients; one gpt2 step's tensors, with the chunked loss and
+    without, are each within 15% of the plan, and chunking lowers the peak torch.cuda.max_memory_allocated saw."""
+    from my_utils.tools.bench.memory import measured_step, planner_ratios
+
+    plain = _tiny(lora=True).cuda()
+    chunked = copy.deepcopy(plain)
+    use_chunked_loss(chunked)
+    ids = torch.randint(0, plain.config.vocab_size, (4, 64), device="cuda")
+    losses = []
+    for model in (plain, chunked):
+        model.train()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    steps = {chunk: measured_step("gpt2", "lora", 4, 256, False, chunked_loss=chunk) for chunk in (True, False)}
+    for step in steps.values():
+        assert step["peak_what"] == "peak allocated"
+        assert all(abs(r - 1) <= 0.15 for r in planner_ratios(step).values()), planner_ratios(step)
+    assert steps[True]["peak_bytes"] < steps[False]["peak_bytes"]

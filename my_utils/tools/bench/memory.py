@@ -71,10 +71,12 @@ def run(s: Settings, folder: Path):
 
 def planner_ratios(step: dict) -> dict[str, float]:
     """Planned / measured bytes of each part of a ``run-step`` (weights, gradients, AdamW states, saved
-    activations), the plan made for the same architecture, method, batch, precision, checkpointing and loss."""
+    activations), the plan made for the same architecture, method, batch, precision, checkpointing, loss and
+    device."""
     from my_utils.tools.planner import plan
 
-    p = plan(step["preset"], step["method"], batch_size=step["batch"], max_length=step["seq"], device="cpu",
+    p = plan(step["preset"], step["method"], batch_size=step["batch"], max_length=step["seq"],
+             device="cuda" if step["device"].startswith("cuda") else "cpu",
              dtype="bf16" if step["precision"].startswith("bf16") else "fp32",
              gradient_checkpointing=step["gradient_checkpointing"], chunked_loss=step["chunked_loss"])
     return {"weights": p.weights / step["weight_bytes"], "gradients": p.gradients / step["gradient_bytes"],
