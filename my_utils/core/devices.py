@@ -25,9 +25,9 @@ def cuda_available() -> bool:
 def fast_bf16() -> bool:
     """True when bf16 mixed precision trains faster than fp32 on the training device: a CUDA GPU that supports
     bf16, or a CPU with AMX, its bf16 matrix unit. A CPU with AVX-512 BF16 alone computes bf16 natively but
-    trains slower: on the reference machine the tiny model's LoRA trained at 0.62 of fp32's useful tokens/s and a
-    gpt2 LoRA step took 1.4 times as long (``python -m my_utils bench ddp --precision bf16`` and ``fp32``), since
-    autocast's casts and the upcast attention cost more than its dot products save. On a GPU this initialises
+    trains slower: on the reference machine the tiny model's LoRA trained at 0.61 of fp32's useful tokens/s
+    (``python -m my_utils bench precision``), autocast's casts and the upcast attention costing more than its
+    dot products save. On a GPU this initialises
     CUDA: ask inside the launched worker, as the workflows do."""
     import torch
 
