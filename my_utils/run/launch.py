@@ -194,6 +194,8 @@ def check_world_size(expected: int | None = None, timeout_s: float | None = None
     from accelerate import PartialState
 
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    if is_cpu_only():  # said, not guessed: DeepSpeed (which transformers' Trainer imports where it is installed)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # would log a warning while finding out
     state = PartialState(cpu=is_cpu_only(), **kwargs)
     check_gpu_only_launch()  # once the process group is up, so that the ranks say it once (run_main)
     note = cpu_launch_note(state.num_processes)

@@ -237,16 +237,11 @@ def deepspeed_engine(model, stage: int, learning_rate: float, batch_size: int):
     """DeepSpeed's ZeRO ``stage`` (2 or 3) around ``model``, stepping torch's AdamW over its partitions (DeepSpeed's
     own Adam would compile C++ first, for minutes). Returns the engine and DeepSpeed's ZeRO optimizer."""
     import importlib
-    import os
     import warnings
 
     import torch
 
-    from my_utils.run.launch import is_cpu_only
-
-    if is_cpu_only():  # said, not guessed: DeepSpeed would log a warning while finding out
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
+    import deepspeed  # on a CPU-only machine join_world has told it so (DS_ACCELERATOR), which it would warn about
 
     # On a CPU DeepSpeed compiles a shared-memory all-reduce on first use (about 35 s on 2 cores); the other
     # strategies communicate through gloo, and so does DeepSpeed here.
