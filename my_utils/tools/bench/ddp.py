@@ -20,7 +20,7 @@ HELP = ("the LoRA workflow on 2 processes x 1 thread against 1 x 1, same global 
         "scaled the same way: useful tokens/s, >= 1.8 and >= 0.95 of the bare loop's scaling")
 TARGETS = {"ddp": 1.8, "ddp_over_bare": 0.95}
 ORDER = 30
-REPEATS = 2
+REPEATS = 3
 
 
 def run(s: Settings, folder: Path):
