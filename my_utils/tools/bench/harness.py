@@ -299,6 +299,8 @@ def run_benchmark(name: str, s: Settings, argv: list[str]) -> tuple[Path, list[d
                         holds_runs=True)  # its measurements are results folders of their own, inside it
     with recorded(record):
         result, rows = benchmarks()[name].run(s, folder)
+        if {"benchmark", "ratios"} & result.keys():  # they would replace the table's rows in summary.json
+            raise RuntimeError(f"Benchmark {name!r} returned figures named 'benchmark' or 'ratios'; nest them.")
         record.update(load_average_after=os.getloadavg())
         record.finish({"benchmark": name, "ratios": rows, **result})
     return folder, rows

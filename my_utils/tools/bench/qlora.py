@@ -49,7 +49,7 @@ def run(s: Settings, folder: Path):
                       f"QLoRA r={result['lora_rank']} (4-bit base)", "full fine-tuning (float32)",
                       ratios["lora_state_over_full_state"], target=TARGETS["lora_state_over_full_state"], at_most=True,
                       detail=f"{s.qlora_preset}, one AdamW step of {result['batch'][0]} x {result['batch'][1]} tokens")]
-    return result, rows
+    return {"qlora": result}, rows  # the measured run's figures, its own "ratios" included, apart from the rows
 
 
 def measure_in_fresh_process(s: Settings, out: Path, env: dict, weights_only: bool = False) -> dict:
