@@ -356,7 +356,8 @@ def render(comparison: Comparison, markdown: bool = False, images: dict[str, str
         left_out.setdefault(reason, []).append(label)
     lines = [f"not compared ({reason}): {name_runs(labels)}" for reason, labels in left_out.items()] + comparison.notes
     if lines:
-        parts.append("\n".join(f"- {x}" for x in lines) if markdown else "\n".join(lines))
+        parts.append("\n".join(f"- {x}" for x in lines) if markdown else "\n".join(
+            textwrap.fill(x, TERMINAL_WIDTH, subsequent_indent="  ", break_on_hyphens=False) for x in lines))
     return "\n\n".join(parts)
 
 
