@@ -27,8 +27,7 @@ def fast_bf16() -> bool:
     bf16, or a CPU with AMX, its bf16 matrix unit. A CPU with AVX-512 BF16 alone computes bf16 natively but
     trains slower: on the reference machine the tiny model's LoRA trained at 0.61 of fp32's useful tokens/s
     (``python -m my_utils bench precision``), autocast's casts and the upcast attention costing more than its
-    dot products save. On a GPU this initialises
-    CUDA: ask inside the launched worker, as the workflows do."""
+    dot products save. On a GPU this initialises CUDA: ask inside the launched worker, as the workflows do."""
     import torch
 
     if cuda_available():

@@ -230,10 +230,10 @@ def train(cfg: Config) -> dict:
 
     from transformers import set_seed
 
+    from my_utils.core.chunked_loss import use_chunked_loss
     from my_utils.core.data import padding_collator
     from my_utils.core.devices import per_rank_device, per_rank_device_map
     from my_utils.core.evaluation import held_out_loss
-    from my_utils.core.chunked_loss import use_chunked_loss
     from my_utils.core.models import add_lora, build_causal_lm, count_parameters
     from my_utils.core.printing import print0
     from my_utils.run.callbacks import TokenCounter, make_callbacks

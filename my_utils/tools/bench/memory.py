@@ -20,8 +20,9 @@ from my_utils.tools.bench import qlora
 from my_utils.tools.bench.harness import Settings, bench_env, python_command, ratio_row, recorded_run, run_logged
 
 NAME = "memory"
-HELP = ("one training step's peak memory, LoRA against full fine-tuning (gpt2 architecture), <= 0.5, with and "
-        "without gradient checkpointing; 4-bit NF4 weights against bf16 (opt-350m), <= 0.35")
+HELP = ("one training step's peak memory, LoRA against full fine-tuning (gpt2 architecture), <= 0.5, with the "
+        "chunked loss and the plain one, with and without gradient checkpointing, each step's tensors against the "
+        "planner's, within 15%; 4-bit NF4 weights against bf16 (opt-350m), <= 0.35")
 TARGETS = {"lora_over_full_peak": 0.5, "weights_4bit_over_bf16": qlora.TARGETS["weights_4bit_over_bf16"],
            "planner_error": 0.15}
 ORDER = 40
@@ -127,8 +128,8 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
     just before it. The peak: on CUDA, peak allocated memory; on a CPU, the weights and AdamW's states (from their
     tensors) plus how far the RSS rose above its level at the start of the step (activations, gradients,
     temporaries), so that neither the libraries' memory nor code loaded on first use counts as training memory.
-    bf16 autocast when the benchmark runs in bf16 (by default where the device computes it natively, as the LoRA
-    workflow), with the course's chunked loss unless ``chunked_loss`` is False."""
+    bf16 autocast when the benchmark runs in bf16 (by default where bf16 trains faster, as in the LoRA workflow), with
+    the course's chunked loss unless ``chunked_loss`` is False."""
     import gc
 
     import torch
