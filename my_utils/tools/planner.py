@@ -453,7 +453,7 @@ class Plan:
     def _transient(self) -> str:
         if self.chunked_loss:
             return "the larger of one recomputed layer and one chunk of the loss's logits" \
-                if self.gradient_checkpointing else "one chunk of the loss's logits, in forward"
+                if self.gradient_checkpointing else "one chunk of the loss's logits (the chunked loss makes its gradients in forward)"
         return "loss gradients over the vocabulary" + (", one recomputed layer" if self.gradient_checkpointing else "")
 
 
