@@ -1,6 +1,7 @@
 """Test settings: offline before anything imports the hub client, and fixtures shared by the tests."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -45,3 +46,15 @@ def tracked_losses():
                 {m["step"]: m["loss"] for m in lines if "loss" in m})
 
     return read
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that failed on ``subprocess.run(..., check=True, capture_output=True)`` shows the command's stderr:
+    the exception alone says only the exit status."""
+    report = yield
+    error = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(error, subprocess.CalledProcessError) and error.stderr:
+        stderr = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) else error.stderr
+        report.sections.append(("stderr of the failed command (its last 5,000 characters)", stderr[-5000:]))
+    return report

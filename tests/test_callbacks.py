@@ -104,25 +104,32 @@ WORKER = textwrap.dedent("""
     import json, sys
     import torch, torch.distributed as dist
     from my_utils.run.callbacks import make_callbacks
+    from my_utils.run.cli import run_as_script
 
-    dist.init_process_group("gloo")
-    assert dist.get_world_size() == 2, dist.get_world_size()
-    model = torch.nn.Linear(8, 8 * (1 + dist.get_rank()))  # ranks hold different sizes: reports must differ
-    optimizer = torch.optim.AdamW(model.parameters())
-    memory_cb, _ = make_callbacks(None, "cpu")
-    memory_cb.on_train_begin(None, None, None)
-    memory_cb.on_step_begin(None, None, None, model=model)
-    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
-    memory_cb.on_pre_optimizer_step(None, None, None)
-    optimizer.step()
-    memory_cb.on_optimizer_step(None, None, None, model=model, optimizer=optimizer)
-    memory_cb.on_step_end(None, None, None)
-    memory_cb.on_train_end(None, None, None, model=model)
-    if dist.get_rank() == 0:
-        json.dump({"world_size": dist.get_world_size(), "report": memory_cb.report}, open(sys.argv[1], "w"))
-    else:
-        assert memory_cb.report is None
-    dist.destroy_process_group()
+
+    def main():
+        dist.init_process_group("gloo")
+        assert dist.get_world_size() == 2, dist.get_world_size()
+        model = torch.nn.Linear(8, 8 * (1 + dist.get_rank()))  # ranks hold different sizes: reports must differ
+        optimizer = torch.optim.AdamW(model.parameters())
+        memory_cb, _ = make_callbacks(None, "cpu")
+        memory_cb.on_train_begin(None, None, None)
+        memory_cb.on_step_begin(None, None, None, model=model)
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        memory_cb.on_pre_optimizer_step(None, None, None)
+        optimizer.step()
+        memory_cb.on_optimizer_step(None, None, None, model=model, optimizer=optimizer)
+        memory_cb.on_step_end(None, None, None)
+        memory_cb.on_train_end(None, None, None, model=model)
+        if dist.get_rank() == 0:
+            with open(sys.argv[1], "w") as f:
+                json.dump({"world_size": dist.get_world_size(), "report": memory_cb.report}, f)
+        else:
+            assert memory_cb.report is None
+        dist.destroy_process_group()
+
+
+    run_as_script(main)  # as every workflow worker ends: gloo's C++ teardown sometimes aborts a finished process
 """)
 
 
@@ -132,8 +139,9 @@ def test_memory_report_holds_every_rank_on_two_processes(tmp_path, subprocess_en
     script.write_text(WORKER)
     out = tmp_path / "report.json"
     port = str(free_port())
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-                    str(script), str(out)], env=subprocess_env, check=True, capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
+                           str(script), str(out)], env=subprocess_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
     assert [r["rank"] for r in result["report"]] == [0, 1]
