@@ -1,8 +1,8 @@
 """Helpers for the fine-tuning course.
 
 Importing this package is cheap: it imports no torch-heavy training libraries (peft, trl, bitsandbytes,
-``transformers.Trainer``), never touches CUDA, only hides four library notices and shows one repeated notice once (below). Import the
-submodules you need::
+``transformers.Trainer``), never touches CUDA, only hides four library notices and shows two repeated notices once
+(below). Import the submodules you need::
 
     from my_utils.core.printing import print0, rank_print
     from my_utils.run.results import Run
@@ -42,6 +42,10 @@ class _FirstTimeOnly(logging.Filter):
 # accelerate's save_state says, at every checkpoint, that GPT-2's output layer shares the embedding's weights and is
 # saved once; harmless (a resume ties them again), and lesson 03 explains it after its first appearance.
 logging.getLogger("accelerate.utils.other").addFilter(_FirstTimeOnly("Removed shared tensor"))
+# bitsandbytes' 8-bit matmul on CUDA says at every call that it casts its input to fp16 (over 5,000 lines in a 250-step
+# tiny run on a GPU); once says it.
+logging.getLogger("bitsandbytes.autograd._functions").addFilter(
+    _FirstTimeOnly("MatMul8bitLt: inputs will be cast from"))
 
 
 class UserError(ValueError):

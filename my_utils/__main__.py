@@ -1,5 +1,5 @@
-"""``python -m my_utils <command>``: demo, compare, plan, env, sweep, bench. ``--help`` lists them; ``<command> --help``
-explains one.
+"""``python -m my_utils <command>``: demo, compare, plan, env, sweep, bench, gpucheck. ``--help`` lists them;
+``<command> --help`` explains one.
 
     python -m my_utils compare runs/run_1_cpu_x2 --output-dir comparison/
     python -m my_utils plan --preset opt-350m --method qlora --device T4
@@ -21,6 +21,8 @@ def main(argv=None) -> None:
         "sweep": ("a grid of LoRA runs (rank, alpha, learning rate, targets...), one fresh process per cell; finished "
                   "cells are skipped", "my_utils.tools.sweep"),
         "bench": ("benchmarks of the course's defaults against the usual alternatives, as ratios", "my_utils.tools.bench"),
+        "gpucheck": ("the course on one CUDA GPU in one command (tests, series, QLoRA, planner, MFU), into one results "
+                     "folder", "my_utils.tools.gpucheck"),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         from my_utils.run.config import OneLineParser

@@ -371,6 +371,8 @@ MEASURED_RUNS = {
     "full-bf16": (["--method", "full", "--mixed-precision", "bf16"], 1),
     "qlora-4bit": (["--quantize", "4bit"], 1),  # fp32 compute on a CPU
     "qlora-8bit": (["--quantize", "8bit"], 1),
+    # bf16 autocast, as on a GPU: the 4-bit layers return their fp32 input's dtype, so the MLP's activations stay fp32
+    "qlora-4bit-bf16": (["--quantize", "4bit", "--mixed-precision", "bf16"], 1),
     "lora-ddp-x2": (["--batch-size", "8"], 2),  # DDP, the preset's batch of 16 split over two processes
 }
 

@@ -78,7 +78,7 @@ def quantization_config(quantize: str, compute_dtype=None):
 
 
 def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str = "none", device_map=None, dtype=None,
-                    trust_remote_code: bool = False):
+                    compute_dtype=None, trust_remote_code: bool = False):
     """The preset's causal LM: pretrained weights, or random weights from the shipped config (offline).
 
     ``quantize`` loads weights in 8-bit or 4-bit NF4 through bitsandbytes (QLoRA); quantized weights must be
@@ -87,7 +87,7 @@ def build_causal_lm(preset: Preset, *, random_init: bool = False, quantize: str 
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    qconfig = quantization_config(quantize)
+    qconfig = quantization_config(quantize, compute_dtype)
     model_id = preset.require("causal")
     if random_init:
         config = AutoConfig.from_pretrained(preset.offline_config["causal"], trust_remote_code=trust_remote_code)

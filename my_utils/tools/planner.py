@@ -332,14 +332,16 @@ def _norm_bytes(arch: Architecture, tokens: int, trains: bool) -> float:
 
 def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, kept: dict[str, float], *,
                       held: dict[str, float] | None = None, device: str = "cuda", rank: int = 0,
-                      norms_train: bool = False) -> float:
+                      norms_train: bool = False, quantized_up: bool = False) -> float:
     """Bytes autograd keeps for one transformer layer until the backward pass, computing in ``act_bytes``
     (2: bf16 autocast over fp32 weights, see ``RESIDUAL_BYTES``).
 
     ``kept`` counts, per part ('qkv', 'out', 'up', 'down') and per block, the layers whose input is saved because
     their weight trains (full fine-tuning) or carries an adapter (LoRA); a frozen layer keeps nothing of its
     input. ``held`` counts the quantized layers that keep their input as they got it (bitsandbytes' 8-bit
-    matmul keeps it for the input's gradient). The 'qkv' and 'up' layers read a norm's fp32 output: under
+    matmul keeps it for the input's gradient). A quantized layer returns its input's dtype, not autocast's:
+    with the MLP's first projections quantized (``quantized_up``) the activation function's tensors and the down
+    projection's input stay fp32, as the norm's output they read is. The 'qkv' and 'up' layers read a norm's fp32 output: under
     autocast each of them keeps its own bf16 copy; so does every LoRA adapter (``rank`` > 0) under autocast, as
     peft casts its input to the adapter's fp32 dtype and autocast casts it back; otherwise, and for the other
     parts, the layers reading one tensor share it. ``norms_train`` (full fine-tuning) adds what a norm keeps for
@@ -365,23 +367,26 @@ def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, 
     fused = device != "cpu" or not arch.attention_dropout
     autocast = act_bytes < RESIDUAL_BYTES
 
-    def inputs(part: str, size: int, already_kept: bool = False) -> float:
-        n, n_held = kept.get(part, 0), held.get(part, 0)
-        if autocast and (part in ("qkv", "up") or rank):
-            return n * size * act_bytes + (size * RESIDUAL_BYTES if n_held else 0)
-        return size * act_bytes if (n or n_held) and not already_kept else 0
-
     # The plain path on a CPU computes attention in float32 even under autocast (torch upcasts its inputs).
     attention_bytes = act_bytes if fused else RESIDUAL_BYTES
+    mlp_bytes = RESIDUAL_BYTES if autocast and quantized_up else act_bytes
+    input_bytes = {"qkv": RESIDUAL_BYTES, "up": RESIDUAL_BYTES, "out": attention_bytes, "down": mlp_bytes}
+
+    def inputs(part: str, size: int, already_kept: bool = False) -> float:
+        n, n_held = kept.get(part, 0), held.get(part, 0)
+        if autocast and (part in ("qkv", "up") or rank):  # each adapted layer keeps its own compute-dtype copy
+            return n * size * act_bytes + (size * input_bytes[part] if n_held and not already_kept else 0)
+        return size * act_bytes if (n or n_held) and not already_kept else 0
+
     own = (
         2 * _norm_bytes(arch, tokens, norms_train)  # what the two norms keep
         + 3 * tq * attention_bytes  # queries, keys and values (the fused kernel keeps them, or views of the fused
         # projection)
         + act_bytes * (
             tq * fused  # the attention output, kept by a fused kernel (otherwise by its projection, if it trains)
-            + saved * tf  # the activation function's own tensors (and a gated MLP's two factors)
             + tokens * rank * sum(kept.values())  # LoRA keeps each adapter's A x input for B's gradient
         )
+        + mlp_bytes * saved * tf  # the activation function's own tensors (and a gated MLP's two factors)
     )
     projections = (inputs("qkv", th) + inputs("out", tq, already_kept=fused) + inputs("up", th)
                    + inputs("down", tf, already_kept=relu_like))
@@ -559,7 +564,8 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
         lora = lora_parameters(arch, rank, targets)
         trainable = lora + arch.head_params
         kept = _per_block(arch, lora_modules(arch, targets))
-    held = _per_block(arch, [n for n in in_blocks if n in arch.quantizable]) if quantize == "8bit" else {}
+    quantized_parts = _per_block(arch, [n for n in in_blocks if n in arch.quantizable]) if quantize != "none" else {}
+    held = quantized_parts if quantize == "8bit" else {}
     total = arch.total_params + (trainable if method != "full" else 0)  # + adapters, head copy
     autocast = dtype_bytes < RESIDUAL_BYTES
 
@@ -590,7 +596,8 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
     # saved activations: the layers, then the embeddings and the head
     tokens = batch * seq
     one_layer = layer_activations(arch, batch, seq, dtype_bytes, kept, held=held, device=device,
-                                  rank=rank if method != "full" else 0, norms_train=method == "full") \
+                                  rank=rank if method != "full" else 0, norms_train=method == "full",
+                                  quantized_up=bool(quantized_parts.get("up"))) \
         + copies[True] * dtype_bytes / arch.layers
     if gradient_checkpointing:
         layers = arch.layers * tokens * arch.hidden * RESIDUAL_BYTES  # each layer's input; backward recomputes

@@ -250,6 +250,7 @@ def train(cfg: Config) -> dict:
         # Quantized weights are placed as they load, so the map goes straight into from_pretrained.
         model = build_causal_lm(preset, random_init=cfg.random_init, quantize=cfg.quantize,
                                 device_map=per_rank_device_map() if cfg.quantize != "none" else None,
+                                compute_dtype=_autocast_dtype(cfg),
                                 trust_remote_code=cfg.trust_remote_code)
         if cfg.method == "lora":
             model = add_lora(model, cfg.adapter)  # peft's LoraConfig from the spec: cfg.adapter.lora_config(...)

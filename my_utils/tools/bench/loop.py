@@ -73,7 +73,8 @@ def bare_loop(cfg: LoopConfig) -> dict:
         "method": cfg.method, "batch_size": batch_size, "max_length": max_length, "steps": cfg.steps,
         "warmup_steps": cfg.warmup_steps, "sampling": cfg.sampling, "random_tokens": cfg.random_tokens,
         "mixed_precision": accelerator.mixed_precision, "device": str(accelerator.device),
-        "threads": torch.get_num_threads(), "learning_rate": learning_rate, **timed, **flops,
+        "threads": torch.get_num_threads(), "learning_rate": learning_rate,
+        "attention": getattr(model.config, "_attn_implementation", None), **timed, **flops,
     }
 
 

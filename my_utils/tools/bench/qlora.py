@@ -6,11 +6,13 @@ bf16, <= 0.35, and LoRA's trainable state on the 4-bit model against full fine-t
 
 The model is built from the shipped config (assets/configs/opt-350m) with random weights: memory depends on
 shapes and dtypes, not on values. It is saved in bf16 with safetensors to a temporary folder and loaded back
-through bitsandbytes (8-bit, and 4-bit NF4 with double quantization), as a real checkpoint would be. Then one
-optimizer step (AdamW, a batch of 2 x 32 random tokens) is taken twice: LoRA on the 4-bit model, and full
-fine-tuning of the float32 model. Every figure is measured from the tensors themselves (weights with their
-quantization constants, gradients, AdamW states, activations kept for backward), not from process memory, so
-phases run in one process without disturbing each other. ``run-qlora`` exits with 1 when a target is missed;
+through bitsandbytes (8-bit, and 4-bit NF4 with double quantization) onto the GPU when there is one (its CUDA
+kernels), else the CPU, as a real checkpoint would be. Then one optimizer step (AdamW, a batch of 2 x 32 random
+tokens) is taken twice: LoRA on the 4-bit model, and full fine-tuning of the float32 model. Every figure is
+measured from the tensors themselves (weights with their quantization constants, gradients, AdamW states,
+activations kept for backward), not from process memory, so phases run in one process without disturbing each
+other; on a GPU, CUDA's allocator also gives what each load added (``allocated_8bit``, ``allocated_4bit``) and
+each step's peak (``peak_allocated``). ``run-qlora`` exits with 1 when a target is missed;
 ``--weights-only`` stops after the weights (no training steps, about half the time: what ``memory`` runs).
 
 Needs about 7 GB of RAM (the full fine-tuning step keeps 331M float32 weights, gradients and two AdamW states)
@@ -75,6 +77,7 @@ def measure(preset_name: str, rank: int, seq_len: int = 32, batch_size: int = 2,
     from transformers.utils.logging import disable_progress_bar
 
     from my_utils.core.adapters import AdapterSpec
+    from my_utils.core.devices import per_rank_device
     from my_utils.core.models import add_lora, build_causal_lm, set_threads
     from my_utils.core.presets import get_preset
 
@@ -82,16 +85,17 @@ def measure(preset_name: str, rank: int, seq_len: int = 32, batch_size: int = 2,
     set_threads()
     disable_progress_bar()  # one bar for the phases instead of one per loaded tensor
     torch.manual_seed(0)
-    results = {"preset": preset_name, "lora_rank": rank,
+    device = per_rank_device()
+    results = {"preset": preset_name, "lora_rank": rank, "device": device,
                "lora_targets": list(preset.lora_targets), "batch": [batch_size, seq_len]}
     phases = tqdm(total=3 if weights_only else 6, desc="bf16 build", unit="phase", file=sys.stdout)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        four_bit, vocab = _weights(preset, tmp, results, phases)
+        four_bit, vocab = _weights(preset, tmp, results, phases, device)
         if weights_only:
             phases.close()
             return _with_ratios(results, started)
-        batch = {"input_ids": torch.randint(3, vocab, (batch_size, seq_len))}
+        batch = {"input_ids": torch.randint(3, vocab, (batch_size, seq_len), device=device)}
         batch["labels"] = batch["input_ids"].clone()
         phases.set_description("QLoRA step")
         results["lora"] = one_step(add_lora(four_bit, AdapterSpec(rank=rank).resolved(preset.lora_targets)), batch)
@@ -100,7 +104,7 @@ def measure(preset_name: str, rank: int, seq_len: int = 32, batch_size: int = 2,
         phases.update()
 
     phases.set_description("full step")
-    full = build_causal_lm(preset, random_init=True, dtype=torch.float32)
+    full = build_causal_lm(preset, random_init=True, dtype=torch.float32).to(device)
     phases.update()
     results["full"] = one_step(full, batch)
     del full
@@ -110,12 +114,14 @@ def measure(preset_name: str, rank: int, seq_len: int = 32, batch_size: int = 2,
     return _with_ratios(results, started)
 
 
-def _weights(preset, tmp: str, results: dict, phases):
-    """Build the architecture in bf16, save it to ``tmp``, load it back in 8 and 4 bits; every footprint (measured
-    and predicted) goes into ``results``. Returns the 4-bit model and the vocabulary size."""
+def _weights(preset, tmp: str, results: dict, phases, device: str):
+    """Build the architecture in bf16, save it to ``tmp``, load it back in 8 and 4 bits onto ``device``; every
+    footprint (measured and predicted; on CUDA, what each load added to allocated memory) goes into ``results``.
+    Returns the 4-bit model and the vocabulary size."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from my_utils.core.memory import snapshot
     from my_utils.core.models import build_causal_lm, quantization_config
     from my_utils.run.callbacks import model_weight_bytes
 
@@ -131,10 +137,13 @@ def _weights(preset, tmp: str, results: dict, phases):
     loaded = {}
     for bits in (8, 4):
         phases.set_description(f"{bits}-bit load")
+        before = snapshot(device)["allocated"]
         loaded[bits] = AutoModelForCausalLM.from_pretrained(
             tmp, quantization_config=quantization_config(f"{bits}bit", compute_dtype=torch.bfloat16),
-            dtype=torch.bfloat16, device_map={"": "cpu"})
+            dtype=torch.bfloat16, device_map={"": device})
         results[f"weights_{bits}bit"] = model_weight_bytes(loaded[bits])
+        if before is not None:  # CUDA's allocator: None on a CPU
+            results[f"allocated_{bits}bit"] = snapshot(device)["allocated"] - before
         phases.update()
     shapes = [(m.out_features, m.in_features) for m in loaded[8].modules() if type(m).__name__ == "Linear8bitLt"]
     results["quantized_params"] = sum(rows * cols for rows, cols in shapes)
@@ -161,17 +170,21 @@ def one_step(model, batch) -> dict:
     and the activations kept for backward."""
     import torch
 
+    from my_utils.core.memory import reset_peak, snapshot
     from my_utils.run.callbacks import SavedActivations, gradient_bytes, optimizer_state_bytes, tensor_bytes
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     model.train()
+    device = str(batch["input_ids"].device)
+    reset_peak(device)
     with SavedActivations(model) as saved:
         loss = model(**batch).loss
     loss.backward()
     gradients = gradient_bytes(model)
     optimizer.step()
     figures = {
+        "peak_allocated": snapshot(device)["peak_allocated"],  # None on a CPU
         "trainable_params": sum(p.numel() for p in trainable),
         "trainable_param_bytes": tensor_bytes(trainable),
         "gradient_bytes": gradients,
