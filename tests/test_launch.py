@@ -262,3 +262,34 @@ def test_before_the_group_forms_local_rank_0_alone_reports(monkeypatch):
     assert first_to_say("bad option")
     monkeypatch.delenv("LOCAL_RANK")  # not launched: the only process
     assert first_to_say("bad option")
+
+
+def test_a_logged_command_shows_one_line_and_keeps_its_output(tmp_path, capsys):
+    log = tmp_path / "lesson" / "run.log"
+    done = launch.run_command([sys.executable, "-c", "print('step 1'); print('step 2')"], echo=False, log=log)
+    shown = capsys.readouterr().out
+    assert shown.startswith("  done in ") and shown.strip().endswith("run.log") and len(shown.splitlines()) == 1
+    assert log.read_text().splitlines()[1:] == ["step 1", "step 2"] and "step 2" in done.stdout
+    with pytest.raises(RuntimeError, match=r"exit code 3; the end of .*bad\.log:\n.*boom"):
+        launch.run_command([sys.executable, "-c", "print('boom'); raise SystemExit(3)"], echo=False,
+                           log=tmp_path / "bad.log")
+
+
+def test_a_logged_launch_keeps_prints_progress_and_library_notices_in_its_log(tmp_path, capsys):
+    import logging
+
+    library = logging.getLogger("some.library")
+    library.addHandler(logging.StreamHandler(sys.stderr))  # as transformers does: the stream fixed when made
+
+    def work(x):
+        print("training", x)
+        print("progress 100%|", file=sys.stderr)  # a progress bar's stream
+        library.warning("a library notice")
+        return 2 * x
+
+    assert launch.launch(work, 21, num_processes=1, log=tmp_path / "work.log") == 42
+    assert capsys.readouterr().out.startswith("1 process done in ")
+    kept = (tmp_path / "work.log").read_text()
+    assert "training 21" in kept and "progress 100%|" in kept and "a library notice" in kept
+    library.warning("after the launch")  # the handler writes to the terminal again
+    assert "after the launch" in capsys.readouterr().err

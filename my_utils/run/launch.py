@@ -21,9 +21,11 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.run.results import output_to, shown_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Modules that initialise a device or import bitsandbytes when imported; they must stay inside the function.
@@ -120,15 +122,41 @@ def _then_end_process_group(function):
     return worker
 
 
-def launch(function, *args, num_processes: int = 1, port: int | None = None):
+def launch(function, *args, num_processes: int = 1, port: int | None = None, log: str | Path | None = None):
     """Run ``function(*args)`` on ``num_processes`` processes from a notebook (or directly for one).
 
     On a CPU-only machine the workers use gloo (``ACCELERATE_USE_CPU=1``); each should call
-    ``check_world_size(num_processes)`` first.
+    ``check_world_size(num_processes)`` first. With ``log``, what the workers print (progress bars, the libraries'
+    notices) goes to that file, and the notebook shows one line when they are done.
     """
     preflight(num_processes)
-    if num_processes == 1:
-        return function(*args)
+    if log is not None:
+        function = _logged(function, log)
+    started = time.perf_counter()
+    result = function(*args) if num_processes == 1 else _notebook_launch(function, args, num_processes, port)
+    if log is not None:
+        print(f"{num_processes} process{'es' if num_processes > 1 else ''} done in {time.perf_counter() - started:.0f} "
+              f"s; their output: {shown_path(log)}", flush=True)
+    return result
+
+
+def _shown_argument(argument: str) -> str:
+    """A command's argument as the reader finds it: an absolute path relative to the run's results or the repo."""
+    return shown_path(argument) if os.path.isabs(argument) else argument
+
+
+def _logged(function, log):
+    """``function`` with its process's output appended to ``log`` (each worker appends its own lines)."""
+
+    @functools.wraps(function)  # notebook_launcher reads the function's name
+    def worker(*args):
+        with output_to(log):
+            return function(*args)
+
+    return worker
+
+
+def _notebook_launch(function, args, num_processes: int, port: int | None):
     from accelerate import notebook_launcher
 
     from my_utils.core.devices import usable_cores
@@ -260,15 +288,38 @@ def clean_env(**extra) -> dict:
     return env
 
 
-def run_command(cmd: list[str], *, env: dict | None = None, echo: bool = True) -> subprocess.CompletedProcess:
+def run_logged(cmd: list[str], log: str | Path, env: dict, ok_codes=(0,)) -> None:
+    """Run ``cmd`` in a fresh process with its output going to ``log``; raise with the log's end if it fails."""
+    log = Path(log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w", encoding="utf-8") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        code = subprocess.run(cmd, env=env, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code not in ok_codes:
+        # the last lines as they finally read (a redrawn line shows its last state)
+        lines = log.read_text(encoding="utf-8", errors="replace").rstrip().split("\n")[-15:]
+        tail = "\n".join(line.rsplit("\r", 1)[-1] for line in lines)
+        raise RuntimeError(f"Command failed with exit code {code}; the end of {shown_path(log)}:\n{tail}")
+
+
+def run_command(cmd: list[str], *, env: dict | None = None, echo: bool = True,
+                log: str | Path | None = None) -> subprocess.CompletedProcess:
     """Run a launch command in a fresh process, streaming its output; raise if it fails.
 
     The output is passed through as it comes, carriage returns included, so a progress bar redraws in place
-    (in a terminal and in a notebook) instead of printing one line per update."""
+    (in a terminal and in a notebook) instead of printing one line per update. With ``log`` it goes to that file
+    instead, and one line says when the command is done (what a notebook shows)."""
     env = env or clean_env()
     if echo:  # as a shell would take it, with the variable that decides whether a CPU launch is distributed
         shown = ["ACCELERATE_USE_CPU=1"] if env.get("ACCELERATE_USE_CPU") == "1" else []
-        print("$", " ".join([*shown, *(Path(c).name if i == 0 else c for i, c in enumerate(cmd))]), flush=True)
+        print("$", " ".join([*shown, *(_shown_argument(c) if i else Path(c).name for i, c in enumerate(cmd))]),
+              flush=True)
+    if log is not None:
+        started = time.perf_counter()
+        run_logged(cmd, log, env)
+        print(f"  done in {time.perf_counter() - started:.0f} s; its output: {shown_path(log)}", flush=True)
+        return subprocess.CompletedProcess(cmd, 0, Path(log).read_text(encoding="utf-8", errors="replace"), "")
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -14,6 +14,7 @@ only complete runs.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -360,6 +361,38 @@ def lesson_dir(lesson: str) -> Path:
     ``runs/notebooks/<lesson>`` (``_2``, ``_3``... when run again by hand, so nothing is overwritten)."""
     root = Path(os.environ.get("COURSE_RUN_ROOT") or RUNS_ROOT / "notebooks")
     return unique_dir(root / lesson)
+
+
+def shown_path(path: str | Path) -> str:
+    """``path`` as the reader of a lesson finds it: relative to the demo's results folder (``COURSE_RUN_ROOT``)
+    when it lies there, else to the repository; other paths whole."""
+    path = Path(path).absolute()
+    for root in filter(None, (os.environ.get("COURSE_RUN_ROOT"), REPO_ROOT)):
+        if path.is_relative_to(Path(root).absolute()):
+            return str(path.relative_to(Path(root).absolute()))
+    return str(path)
+
+
+@contextlib.contextmanager
+def output_to(log: str | Path):
+    """Everything this process prints while the block runs, appended to ``log``: prints, progress bars, warnings, and
+    the libraries' logging handlers that wrote to the terminal (they hold the stream they were made with)."""
+    import logging
+
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8", buffering=1) as f:
+        terminal = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+        handlers = [h for logger in [logging.getLogger(), *logging.root.manager.loggerDict.values()]
+                    for h in getattr(logger, "handlers", []) if isinstance(h, logging.StreamHandler)
+                    and not isinstance(h, logging.FileHandler) and h.stream in terminal
+                    and not isinstance(getattr(type(h), "stream", None), property)]  # those follow sys.stderr
+        streams = [h.setStream(f) for h in handlers]
+        try:
+            with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+                yield
+        finally:
+            for handler, stream in zip(handlers, streams):
+                handler.setStream(stream)
 
 
 CLAIMS_FILE = "claims.json"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from functools import cache
@@ -27,7 +26,8 @@ from importlib import import_module
 from pathlib import Path
 from statistics import median
 
-from my_utils.run.results import REPO_ROOT, RUNS_ROOT, Run, current_status, read_json
+from my_utils.run.launch import run_logged
+from my_utils.run.results import RUNS_ROOT, Run, current_status, read_json
 
 BENCH_ROOT = RUNS_ROOT / "bench"
 WARMUP_STEPS = 2  # steps before the steady-state window (first-step allocations, caches)
@@ -130,17 +130,6 @@ def bench_env(s: Settings, threads: int | None = None) -> dict:
 def python_command(*args) -> list[str]:
     """A worker's command line: ``python -m my_utils bench run-... args``."""
     return [sys.executable, "-m", "my_utils", "bench", *map(str, args)]
-
-
-def run_logged(cmd: list[str], log: Path, env: dict, ok_codes=(0,)) -> None:
-    """Run ``cmd`` in a fresh process with its output going to ``log``; raise with the log's end if it fails."""
-    with open(log, "w", encoding="utf-8") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        code = subprocess.run(cmd, env=env, cwd=REPO_ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    if code not in ok_codes:
-        tail = "".join(log.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"a measured run failed (exit code {code}); the end of {log}:\n{tail}")
 
 
 def alternate(variants: dict, repeats: int, folder: Path, env: dict, desc: str, settled=None,

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from my_utils.run.results import read_json
 from my_utils.tools.bench import qlora
-from my_utils.tools.bench.harness import Settings, bench_env, python_command, ratio_row, recorded_run, run_logged
+from my_utils.run.launch import run_logged
+from my_utils.tools.bench.harness import Settings, bench_env, python_command, ratio_row, recorded_run
 
 NAME = "memory"
 HELP = ("one training step's peak memory, LoRA against full fine-tuning (gpt2 architecture), <= 0.5, with the "

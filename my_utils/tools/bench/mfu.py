@@ -13,8 +13,8 @@ from pathlib import Path
 from statistics import median
 
 from my_utils.run.results import read_json
-from my_utils.tools.bench.harness import (WARMUP_STEPS, Settings, bench_env, python_command, ratio_row, recorded_run,
-                                          run_logged)
+from my_utils.run.launch import run_logged
+from my_utils.tools.bench.harness import WARMUP_STEPS, Settings, bench_env, python_command, ratio_row, recorded_run
 
 NAME = "mfu"
 HELP = "model FLOP/s of LoRA and full fine-tuning loops against this machine's measured matmul peak"

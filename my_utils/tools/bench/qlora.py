@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 from my_utils.run.results import RUNS_ROOT, read_json
-from my_utils.tools.bench.harness import Settings, bench_env, python_command, ratio_row, run_logged
+from my_utils.run.launch import run_logged
+from my_utils.tools.bench.harness import Settings, bench_env, python_command, ratio_row
 
 NAME = "qlora"
 HELP = ("4-bit NF4 and 8-bit weights against bf16 (opt-350m), <= 0.35, and QLoRA's trainable state against full "
