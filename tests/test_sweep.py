@@ -11,6 +11,7 @@ import pytest
 from my_utils import JobFailed, UserError
 from my_utils.tools import sweep
 from my_utils.core.devices import usable_cores
+from my_utils.core.stats import Noise
 from my_utils.run.results import Run
 
 LADDER = {"rank": [2, 16], "alpha": [32], "learning_rate": [2e-3]}
@@ -189,10 +190,13 @@ def test_the_analyses_come_from_the_rows(tmp_path):
 
     ladder = sweep.select(rows, learning_rate=2e-3, alpha=32, targets=["c_attn"])
     assert [r["rank"] for r in ladder] == [2, 16] and sweep.rank_ladder(rows) == ladder
-    sentences = sweep.tradeoffs(ladder, noise=0.05)
+    sentences = sweep.tradeoffs(ladder)
     assert sentences[0] == ("rank 16 trains 8.0x more parameters than rank 2 (1,600 vs 200) for a held-out loss of "
                             "1.600 against 1.900.")
-    assert sentences[-1] == "Lowest held-out loss: rank 16 (1.600); no smaller rank comes within 0.05 of it."
+    assert sentences[-1] == "Lowest held-out loss: rank 16 (1.600)."  # no seeds: no rank called as good as another
+    # seeds measured beside the cells decide whether rank 2 is as good: a small spread separates them, a wide one not
+    assert sweep.tradeoffs(ladder, Noise(sd=0.05, df=4))[-1].endswith("every smaller rank ends measurably higher.")
+    assert "rank 2 ends within the noise between seeds of it (0.300 [" in sweep.tradeoffs(ladder, Noise(0.2, 4))[-1]
 
     # at rank 16 the three rules give one scale, 2: one run on every line
     lines = sweep.scaling_lines(sweep.select(rows, learning_rate=2e-3, targets=["c_attn"]), sweep.scaling_rules(32, 8))
@@ -268,3 +272,19 @@ def test_a_model_neither_cached_nor_downloadable_stops_the_sweep_before_any_cell
     with pytest.raises(UserError, match="facebook/opt-350m is not in the Hugging Face cache"):  # offline in tests
         sweep.run_sweep(spec, tmp_path / "sweep")
     assert not (tmp_path / "sweep").exists()
+
+
+def test_seeds_of_a_cell_merge_into_its_mean_and_measure_the_noise(tmp_path):
+    out = tmp_path / "sweep"
+    spec = sweep.SweepSpec(grids=[{"rank": [2, 16], "alpha": [32], "seed": [0, 1, 2]}, {"rank": [4], "alpha": [32]}])
+    losses = {2: [1.9, 2.0, 2.1], 16: [1.5, 1.6, 1.7], 4: [1.8]}
+    out.mkdir()
+    (out / "sweep.json").write_text(json.dumps({"cells": spec.cells()}))
+    for cell in spec.cells():
+        make_cell(out, cell, eval_loss=losses[cell["rank"]][cell.get("seed", 0)], seed=cell.get("seed", 0))
+    rows = sweep.seed_means(sweep.load_sweep(out))
+    assert [(r["rank"], r["seeds"], round(r["eval_loss"], 6)) for r in rows] == [(2, [0, 1, 2], 2.0),
+                                                                                    (16, [0, 1, 2], 1.6), (4, [0], 1.8)]
+    noise = sweep.seed_noise(sweep.load_sweep(out))
+    assert noise.df == 4 and noise.sd == pytest.approx(0.1)  # two settings of three seeds, each 0.1 apart
+    assert sweep.seed_noise([r for r in sweep.load_sweep(out) if r["rank"] == 4]) is None

@@ -407,6 +407,30 @@ def load_sweep(out: str | Path) -> list[dict]:
     return rows
 
 
+def seed_means(rows: list[dict]) -> list[dict]:
+    """One row per setting, its seeds merged: the first seed's row (costs, curve) with the held-out loss averaged
+    over the seeds, which ``eval_losses`` keeps beside ``seeds``. Rows of one seed pass through as they are."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(json.dumps([r[k] for k in SETTINGS if k != "seed"]), []).append(r)
+    merged = []
+    for group in groups.values():
+        group = sorted(group, key=lambda r: r["seed"])
+        losses = [r["eval_loss"] for r in group]
+        merged.append({**group[0], "seeds": [r["seed"] for r in group], "eval_losses": losses,
+                       "eval_loss": sum(losses) / len(losses) if None not in losses else None})
+    return merged
+
+
+def seed_noise(rows: list[dict]):
+    """The held-out loss's spread between seeds, pooled over every setting that ran two seeds or more (a
+    ``my_utils.core.stats.Noise``), or None where none did: then no difference is called noise."""
+    from my_utils.core.stats import pooled_noise
+
+    groups = [r["eval_losses"] for r in seed_means(rows) if len(r["eval_losses"]) > 1]
+    return pooled_noise(groups) if groups else None
+
+
 def select(rows: list[dict], **settings) -> list[dict]:
     """The rows whose settings (``SETTINGS``, as the runs recorded them) are ``settings``:
     ``select(rows, method="lora", alpha=32, learning_rate=4e-3)``."""
@@ -466,9 +490,10 @@ def sweep_table(rows: list[dict]) -> str:
     return text_table(header, table)
 
 
-def tradeoffs(rows: list[dict], noise: float = 0.05) -> list[str]:
-    """What a larger rank costs and buys, each sentence computed from ``rows`` (cells that differ only in rank).
-    ``noise``: the held-out loss difference between two seeds of one cell; closer losses count as equal."""
+def tradeoffs(rows: list[dict], noise=None) -> list[str]:
+    """What a larger rank costs and buys, each sentence computed from ``rows`` (cells that differ only in rank; seeds
+    merged by ``seed_means``). ``noise`` (``seed_noise``): the spread between seeds, which a smaller rank's held-out
+    loss must stay within to count as good as the best; without it no rank is called as good as another."""
     from my_utils.core.memory import format_bytes
 
     rows = sorted(rows, key=lambda r: r["rank"])
@@ -496,17 +521,18 @@ def tradeoffs(rows: list[dict], noise: float = 0.05) -> list[str]:
     scored = [r for r in rows if r["eval_loss"] is not None]
     if scored:
         best = min(scored, key=lambda r: (r["eval_loss"], r["rank"]))
-        # the smallest rank as good as the best within the noise: beyond it, extra rank buys nothing measurable
-        enough = min((r for r in scored if r["eval_loss"] <= best["eval_loss"] + noise), key=lambda r: r["rank"])
-        if enough is best:
-            sentences.append(f"Lowest held-out loss: rank {best['rank']} ({best['eval_loss']:.3f}); no smaller rank "
-                             f"comes within {noise} of it.")
-        else:
-            sentences.append(
-                f"Lowest held-out loss: rank {best['rank']} ({best['eval_loss']:.3f}); rank {enough['rank']} comes "
-                f"within {noise} of it ({enough['eval_loss']:.3f}) with "
-                f"{enough['trainable_params'] / best['trainable_params']:.2f}x its trainable parameters."
-            )
+        sentence = f"Lowest held-out loss: rank {best['rank']} ({best['eval_loss']:.3f})"
+        if noise is not None:
+            # the smallest rank whose difference from the best the noise cannot tell from zero
+            def apart(r):
+                return noise.difference(r["eval_loss"], best["eval_loss"], len(r.get("seeds", [0])),
+                                        len(best.get("seeds", [0])))
+
+            enough = min((r for r in scored if not apart(r).excludes(0)), key=lambda r: r["rank"])
+            sentence += ("; every smaller rank ends measurably higher" if enough is best else
+                         f"; rank {enough['rank']} ends within the noise between seeds of it ({apart(enough)}) with "
+                         f"{enough['trainable_params'] / best['trainable_params']:.2f}x its trainable parameters")
+        sentences.append(sentence + ".")
     return sentences
 
 
@@ -738,14 +764,15 @@ def rank_ladder(rows: list[dict]) -> list[dict]:
 
 def report(out: str | Path) -> str:
     """The sweep's table and sentences as text (also written to ``out/report.md``); draws the plots."""
-    rows = load_sweep(out)
-    if not rows:
+    cells = load_sweep(out)
+    if not cells:
         raise UserError(f"No complete cell in {out}; run the sweep first.")
+    rows = seed_means(cells)
     ladder, curves = rank_ladder(rows), learning_rate_curves(rows)
-    parts = [sweep_table(rows)]
+    parts = [sweep_table(cells)]
     if len(ladder) >= 2:
         plot_costs(ladder, out)
-        parts.append("\n".join(f"- {s}" for s in tradeoffs(ladder)))
+        parts.append("\n".join(f"- {s}" for s in tradeoffs(ladder, seed_noise(cells))))
     if curves:
         plot_learning_rates(curves, out)
         parts += [learning_rate_table(curves), "\n".join(f"- {s}" for s in learning_rate_findings(curves))]
