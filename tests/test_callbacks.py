@@ -31,8 +31,14 @@ def test_token_counter_counts_and_previews_the_first_batches(capsys, monkeypatch
     counter(["hello", "hi"])
     counter(["second"])
     assert (counter.tokens, counter.padded_tokens) == (7 + 6, 10 + 6)
-    assert counter.previews == [{"rank": 1, "batch_size": 2, "seq_len": 5, "text": "hello"}]
+    [preview] = counter.previews
+    fingerprint = preview.pop("fingerprint")
+    assert preview == {"rank": 1, "batch_size": 2, "seq_len": 5, "text": "hello"}
+    # the whole batch's tokens, not its first example's text: a batch that starts alike still tells apart
     assert capsys.readouterr().out == "[rank 1/2] batch of 2 x 5 tokens on rank 1/2: 'hello'\n"
+    other = TokenCounter(pad_collator, tokenizer=CharTokenizer(), preview_batches=1)
+    other(["hello", "ho"])
+    assert other.previews[0]["text"] == "hello" and other.previews[0]["fingerprint"] != fingerprint
     with pytest.raises(ValueError, match="needs the tokenizer"):
         TokenCounter(pad_collator, preview_batches=1)
 
@@ -59,10 +65,10 @@ def test_memory_breakdown_cpu_and_cuda():
     cpu_end = {"peak_allocated": None, "peak_rss": 800 * MiB}
     b = memory_breakdown(100 * MiB, 10 * MiB, 20 * MiB, cpu_begin, cpu_end)
     assert b == {"weights": 100 * MiB, "gradients": 10 * MiB, "optimizer_states": 20 * MiB,
-                 "activations": 270 * MiB, "saved_activations": None, "peak": 800 * MiB}
+                 "rest_of_peak": 270 * MiB, "saved_activations": None, "peak": 800 * MiB}
     cuda_begin = {"allocated": 100 * MiB, "rss": 5000 * MiB}
     cuda_end = {"peak_allocated": 400 * MiB, "peak_rss": 9000 * MiB}
-    assert memory_breakdown(100 * MiB, 10 * MiB, 20 * MiB, cuda_begin, cuda_end)["activations"] == 270 * MiB
+    assert memory_breakdown(100 * MiB, 10 * MiB, 20 * MiB, cuda_begin, cuda_end)["rest_of_peak"] == 270 * MiB
 
 
 def test_saved_activations_counts_what_backward_keeps_without_parameters():

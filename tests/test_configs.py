@@ -122,6 +122,23 @@ def test_deepspeed_json_leaves_script_values_to_auto(json_name):
     assert settings["bf16"]["enabled"] == "auto" and settings["fp16"]["enabled"] == "auto"
 
 
+def test_the_shipped_sharding_configs_do_what_the_sharding_lesson_teaches():
+    """Lesson 09: ZeRO-3 gathers a block's weights for its use and frees them after (FSDP2's reshard_after_forward;
+    DeepSpeed's live-parameter and reuse limits at 0, which the lesson's own runs use), ZeRO-2 keeps the gradients
+    sharded. DeepSpeed's defaults (1e9 each) would keep every gathered weight of a smaller model."""
+    import yaml
+
+    from my_utils.workflows.sharding import deepspeed_zero
+
+    zero3 = json.loads((CONFIGS / "zero3_config.json").read_text())["zero_optimization"]
+    assert zero3["stage"] == 3
+    for key in ("stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        assert zero3[key] == deepspeed_zero(3)[key] == 0, key
+    assert json.loads((CONFIGS / "zero2_config.json").read_text())["zero_optimization"]["stage"] == 2
+    fsdp = yaml.safe_load((CONFIGS / "fsdp.yaml").read_text())["fsdp_config"]
+    assert fsdp["fsdp_version"] == 2 and fsdp["fsdp_reshard_after_forward"] is True
+
+
 # ---------------------------------------------------------------------------------------------- CPU launches
 
 CPU_LAUNCH = "accelerate launch --config_file configs/cpu_x2.yaml"

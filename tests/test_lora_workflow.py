@@ -91,7 +91,7 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, tracked_losse
         assert m["breakdown"]["optimizer_states"] >= 2 * 4 * summary["trainable_params"]
         assert m["breakdown"]["gradients"] == 4 * summary["trainable_params"]
     assert [b["rank"] for b in summary["first_batches"]] == [0, 1]
-    assert summary["first_batches"][0]["text"] != summary["first_batches"][1]["text"]
+    assert summary["first_batches"][0]["fingerprint"] != summary["first_batches"][1]["fingerprint"]
     assert "[rank 1/2] batch of 16 x" in proc.stdout
     assert 0 <= summary["similarity_after"] <= 1 and summary["exact_match_after"] is not None
     assert summary["adapter_bytes"] == (out_dir / "adapter" / "adapter_model.safetensors").stat().st_size

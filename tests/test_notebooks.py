@@ -8,15 +8,109 @@ import pytest
 from my_utils.tools.demo import declared_parameters, execute_notebook, notebooks
 
 
+# What a lesson's closing checks must catch: code run in the lesson's kernel after it, each perturbing the figure a
+# claim rests on (as if the claim were false) before the closing cell runs again.
+MUTATIONS = {
+    "01_data_parallel": ["gradient_gap = one_copy_gap  # the copies' gradients not summed"],
+    "05_lora_ddp": [
+        "against_one['none'] = difference([1.30, 1.31, 1.29], [1.30, 1.32, 1.28])  # half the steps cost nothing",
+        "cpu_ratio = 0.95  # two processes no faster",
+    ],
+    "06_qlora": ["versus['4bit'] = difference([1.3 * x for x in held_out(seeds['4bit'])], held_out(seeds['none']))"],
+    "07_rank_sweep": [
+        "placement = difference(attention_cell['eval_losses'], attention_cell['eval_losses'])  # no placement effect",
+        "peaks[RANKS[-1]] = peaks[RANKS[0]]  # memory that does not grow with the rank",
+        "lines['alpha = 2r (scale 2)'][-1]['eval_loss'] = lines[next(iter(lines))][-1]['eval_loss']"
+        "  # alpha = 2r's larger step changes nothing",
+        "rank_gain = noise.difference(1.6, 1.0)  # the largest rank far better at its best rate",
+    ],
+    "08_model_pipeline_parallel": ["pipes[4] = pipes[1]  # micro-batches that do not overlap the stages"],
+    "09_sharding": ["results['zero3']['memory'][1] = results['ddp']['memory'][1]  # rank 1 holding DDP's memory"],
+    "10_classification": ["runs['lora', 'pipeline']['accuracy_after'] = 0.5  # LoRA that does not learn"],
+    "11_compare": ["part_ratios.append(1.3)  # a part the planner misses by 30%"],
+}
+
+
+def mutation_cell(closing: str, mutation: str) -> str:
+    """A cell that perturbs the lesson's state with ``mutation``, runs its closing cell again, prints whether the
+    checks caught it, and restores the state."""
+    return "\n".join([
+        "import copy as _copy",
+        "_saved = {}",
+        "for _k, _v in list(globals().items()):",
+        "    try:",
+        "        _saved[_k] = _copy.deepcopy(_v)",
+        "    except Exception:  # modules, open files: nothing a mutation changes",
+        "        pass",
+        "try:",
+        f"    exec({mutation!r}, globals())",
+        f"    exec({closing!r}, globals())",
+        f"    print('MUTATION SURVIVED:', {mutation!r})",
+        "except AssertionError:",
+        f"    print('MUTATION CAUGHT:', {mutation!r})",
+        "finally:",
+        "    globals().update(_saved)",
+    ])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", notebooks(), ids=lambda p: p.stem)
 def test_notebook_executes_and_its_claims_hold(notebook, tmp_path):
     import nbformat
 
     out = tmp_path / notebook.name
-    execute_notebook(notebook, out, run_root=tmp_path / "runs", timeout=600)
-    unexplained = unexplained_warnings(nbformat.read(out, as_version=4))
+    closing = nbformat.read(notebook, as_version=4).cells[-1].source
+    mutations = MUTATIONS.get(notebook.stem, [])
+    execute_notebook(notebook, out, run_root=tmp_path / "runs", timeout=600,
+                     then=[mutation_cell(closing, m) for m in mutations])
+    executed = nbformat.read(out, as_version=4)
+    verdicts = [o.text.strip() for c in executed.cells[len(executed.cells) - len(mutations):] for o in c.outputs
+                if o.output_type == "stream" and "MUTATION" in o.text]
+    assert verdicts == [f"MUTATION CAUGHT: {m}" for m in mutations], verdicts
+    executed.cells = executed.cells[:len(executed.cells) - len(mutations)]
+    unexplained = unexplained_warnings(executed)
     assert not unexplained, f"warnings the lesson does not explain (quote them in its text): {unexplained}"
+    noisy = noisy_outputs(executed)
+    assert not noisy, f"output a learner should not have to read: {noisy}"
+
+
+# What one cell may show a learner: lines (as they finally read: a redrawn progress bar is one line), the same line
+# repeated, and the text outputs of the whole notebook.
+CELL_LINES, REPEATS, OUTPUT_BYTES = 60, 3, 30_000
+PROGRESS_BAR = re.compile(r"\d+%\|")
+
+
+def shown_lines(text: str) -> list[str]:
+    """The non-empty lines of an output as a terminal or a notebook finally shows them (after carriage returns)."""
+    return [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n") if line.rsplit("\r", 1)[-1].strip()]
+
+
+def noisy_outputs(nb) -> list[str]:
+    """What breaks the output budget: a cell over ``CELL_LINES`` lines or repeating a line more than ``REPEATS``
+    times, a library notice on stderr the text does not quote (progress bars aside), text outputs over
+    ``OUTPUT_BYTES`` in all."""
+    from collections import Counter
+
+    quoted = [q for c in nb.cells if c.cell_type == "markdown" for q in re.findall(r'"([^"]{12,})"', c.source)]
+    problems, total = [], 0
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        streams = [o for o in cell.outputs if o.output_type == "stream"]
+        text = "".join(o.text for o in streams)
+        total += len(text.encode()) + sum(len(o.get("data", {}).get("text/plain", "")) for o in cell.outputs)
+        lines = shown_lines(text)
+        if len(lines) > CELL_LINES:
+            problems.append(f"code cell {i}: {len(lines)} lines")
+        # a diff's added and removed lines are code the lesson shows (lesson 03's markers repeat), not chatter
+        repeated = [(line, n) for line, n in Counter(lines).items() if n > REPEATS and not line.startswith(("+", "-"))]
+        if repeated:
+            problems.append(f"code cell {i}: {repeated[0][0][:80]!r} {repeated[0][1]} times")
+        notices = [line for o in streams if o.name == "stderr" for line in shown_lines(o.text)
+                   if not PROGRESS_BAR.search(line) and not any(q in line for q in quoted)]
+        if notices:
+            problems.append(f"code cell {i}: a notice the lesson does not quote: {notices[0][:120]!r}")
+    if total > OUTPUT_BYTES:
+        problems.append(f"{total:,} bytes of text output")
+    return problems
 
 
 # A warning in a cell's output: Python's (UserWarning: ...), torch's C++ ones ([W... or W1126 ...), and the library

@@ -33,12 +33,16 @@ def gather_to_rank0(obj) -> list | None:
 
 def preview_batch(batch, tokenizer, n_chars: int = 60) -> dict:
     """Print, with the rank prefix, the start of the first example of a batch (each rank sees other data);
-    returns what was printed as a record: rank, batch size, padded length, text."""
+    returns what was printed as a record: rank, batch size, padded length, text, and a fingerprint of the whole
+    batch's tokens (two batches whose first examples start alike still differ by it)."""
+    import hashlib
+
     ids = batch["input_ids"][0]
     text = tokenizer.decode(ids[batch["attention_mask"][0].bool()], skip_special_tokens=True)[:n_chars]
     size, length = batch["input_ids"].shape
     rank_print(f"batch of {size} x {length} tokens on rank {get_rank()}/{get_world_size()}: {text!r}")
-    return {"rank": get_rank(), "batch_size": size, "seq_len": length, "text": text}
+    fingerprint = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
+    return {"rank": get_rank(), "batch_size": size, "seq_len": length, "text": text, "fingerprint": fingerprint}
 
 
 class TokenCounter:
@@ -189,13 +193,15 @@ class SavedActivations:
 
 def memory_breakdown(weights: int, gradients: int, optimizer_states: int, begin: dict, end: dict,
                      saved_activations: int | None = None) -> dict:
-    """Split a training peak into weights, gradients, optimizer states and activations (bytes).
+    """Split a training peak (bytes) into weights, gradients, optimizer states, the activations autograd saved, and
+    the rest of the peak.
 
-    Weights, gradients and optimizer states are measured from their tensors. Activations are what the peak
-    adds on top: the growth of memory in use from the start of training (weights already loaded) to the peak,
-    minus the gradients and optimizer states created meanwhile; temporaries (and on a CPU, allocator slack)
-    are counted with them. On a CUDA device "in use" is allocated memory; on a CPU, the process RSS.
-    ``saved_activations`` (from ``SavedActivations``) is the tensor-level count of the same thing, kept beside it.
+    Weights, gradients and optimizer states are measured from their tensors, and ``saved_activations`` (from
+    ``SavedActivations``) is what autograd kept for the backward pass of the first step: the course's one
+    activations figure. ``rest_of_peak`` is what the peak adds beyond the state: the growth of memory in use from the
+    start of training (weights already loaded) to the peak, minus the gradients and optimizer states created
+    meanwhile, so the saved activations plus the backward pass's temporaries and (on a CPU) the allocator's slack.
+    On a CUDA device "in use" is allocated memory; on a CPU, the process RSS.
     """
     in_use_at_begin = begin["allocated"] if begin.get("allocated") is not None else begin["rss"]
     peak = peak_bytes(end)
@@ -203,7 +209,7 @@ def memory_breakdown(weights: int, gradients: int, optimizer_states: int, begin:
         "weights": weights,
         "gradients": gradients,
         "optimizer_states": optimizer_states,
-        "activations": max(0, peak - in_use_at_begin - gradients - optimizer_states),
+        "rest_of_peak": max(0, peak - in_use_at_begin - gradients - optimizer_states),
         "saved_activations": saved_activations,
         "peak": peak,
     }

@@ -254,11 +254,12 @@ def memory_table(runs, name) -> Table:
                          "peak allocated" if cuda else "peak RSS", format_bytes(peak_bytes(end)),
                          format_bytes(peak_bytes(first)) if first else "-", format_bytes(end.get("peak_reserved")),
                          *(format_bytes(parts.get(k)) for k in ("weights", "gradients", "optimizer_states",
-                                                                "activations"))])
+                                                                "saved_activations"))])
     return Table("Memory per device", ["run", "procs", "rank", "device", "measure", "peak", "after step 1",
-                                       "peak reserved", "weights", "gradients", "optimizer", "activations"], rows,
-                 "CUDA: peak allocated by tensors; CPU: peak resident memory of the process (includes Python and "
-                 "torch); the parts are the run's own breakdown where it reports one")
+                                       "peak reserved", "weights", "gradients", "optimizer", "saved activations"],
+                 rows, "CUDA: peak allocated by tensors; CPU: peak resident memory of the process (includes Python "
+                 "and torch); the parts are measured from the tensors (saved activations: what autograd kept for "
+                 "backward in the first step)")
 
 
 def batch_table(runs, name) -> Table:

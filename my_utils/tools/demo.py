@@ -59,16 +59,18 @@ def inject_parameters(nb, values: dict) -> list[str]:
 
 
 def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 1200,
-                     parameters: dict | None = None) -> float:
+                     parameters: dict | None = None, then: list[str] = ()) -> float:
     """Execute one notebook with COURSE_RUN_ROOT set and ``parameters`` injected (``inject_parameters``), save it
-    with its outputs; returns seconds taken. A failing cell raises, after the partly executed notebook is saved
-    for inspection."""
+    with its outputs; returns seconds taken. ``then``: code cells run after the last one, in the same kernel (the
+    tests perturb a lesson's figures there and run its checks again). A failing cell raises, after the partly
+    executed notebook is saved for inspection."""
     import nbformat
     from nbclient import NotebookClient
     from traitlets.config import Config
 
     nb = nbformat.read(path, as_version=4)
     inject_parameters(nb, parameters or {})
+    nb.cells += [nbformat.v4.new_code_cell(code) for code in then]
     previous = {k: os.environ.get(k) for k in ("COURSE_RUN_ROOT", "PYTHONPATH")}
     os.environ["COURSE_RUN_ROOT"] = str(run_root)
     # The kernel is a new process: make this checkout importable there even without `pip install -e .`.

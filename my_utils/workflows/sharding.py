@@ -233,6 +233,17 @@ def wrap(model, strategy: str, learning_rate: float, counts: dict, batch_size: i
     # endregion
 
 
+
+def deepspeed_zero(stage: int) -> dict:
+    """DeepSpeed's ``zero_optimization`` for ``stage`` as this lesson runs it: every parameter sharded, and under
+    ZeRO-3 each block's gathered weights freed after use (configs/zero3_config.json ships the same for GPUs)."""
+    zero = {"stage": stage,
+            "stage3_param_persistence_threshold": 0}  # default 1e5: smaller parameters stay whole on every rank
+    if stage == 3:  # free each block's gathered weights after use, as FSDP2 does; by default DeepSpeed keeps up to
+        # 1e9 of them gathered from forward to backward (a smaller model never frees any)
+        zero |= {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
+    return zero
+
 def deepspeed_engine(model, stage: int, learning_rate: float, batch_size: int):
     """DeepSpeed's ZeRO ``stage`` (2 or 3) around ``model``, stepping torch's AdamW over its partitions (DeepSpeed's
     own Adam would compile C++ first, for minutes). Returns the engine and DeepSpeed's ZeRO optimizer."""
@@ -251,14 +262,9 @@ def deepspeed_engine(model, stage: int, learning_rate: float, batch_size: int):
                             category=FutureWarning)
     deepspeed.utils.logger.setLevel("WARNING")
     # region: DeepSpeed's ZeRO-2 and 3
-    zero = {"stage": stage,
-            "stage3_param_persistence_threshold": 0}  # default 1e5: smaller parameters stay whole on every rank
-    if stage == 3:  # free each block's gathered weights after use, as FSDP2 does; by default DeepSpeed keeps up to
-        # 1e9 of them gathered from forward to backward (a smaller model never frees any)
-        zero |= {"stage3_max_live_parameters": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}
     config = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0,  # DeepSpeed's default clips the gradients' norm to 1.0; torch's loops do not
-              "zero_optimization": zero, "zero_allow_untested_optimizer": True}
+              "zero_optimization": deepspeed_zero(stage), "zero_allow_untested_optimizer": True}
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
     engine, zero_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine, zero_optimizer
