@@ -52,6 +52,11 @@ def test_quick_run_on_a_cpu_runs_what_it_can_and_says_why_not_the_rest(tmp_path,
     claims = {c["claim"]: c["holds"] for c in summary["checks"]}
     assert any(claim.startswith("the planner predicts") and holds for claim, holds in claims.items())
     assert "checks:" in proc.stdout and "results folder:" in proc.stdout
+    # read again with this code: the same commands' outcomes, the same figures, and a note of when
+    gpucheck.main(["--collect", str(out)])
+    again = json.loads((out / "summary.json").read_text())
+    assert again["checks"] == summary["checks"] and again["parts"] == summary["parts"]
+    assert again["collected_again"]["at"] and "commit" in again["collected_again"]
 
 
 def test_checks_fail_when_their_figures_say_so():
@@ -81,6 +86,8 @@ def test_published_peaks_tell_the_h100_variants_apart():
 
 
 @pytest.mark.parametrize("args, expected", [
+    (["--collect", "configs"], "configs holds no finished GPU check (its summary.json is missing or not a check's); "
+                               "name the folder a `python -m my_utils gpucheck` run wrote."),
     (["--parallel", "0"], "--parallel must be a positive integer, got 0."),
     (["--budget-s", "-5"], "--budget-s must be a positive number, got -5.0."),
     (["--budget-s", "nan"], "--budget-s must be a positive number, got nan."),
