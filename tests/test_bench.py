@@ -46,6 +46,8 @@ def test_names_and_quick_settings():
     (["speed"], "Unknown benchmark 'speed'"),
     (["--steps", "0"], "--steps must be a positive integer"),
     (["--preset", "tiniest"], "Unknown preset"),
+    (["--threads", "100000"], "--threads 100000 is more than this machine's"),
+    (["--data-file", "/no/such.jsonl"], "does not exist"),  # before any measured run starts
 ])
 def test_bad_input_is_one_sentence(argv, message):
     with pytest.raises(UserError, match=message):

@@ -60,6 +60,7 @@ def _machines(ip, port=29500, **more):
     (_machines("machine-0.invalid"), 1, r"is not an address \(it does not resolve\)"),
     (_machines(None), 1, "sets no main_process_ip"),
     (_machines("127.0.0.1"), 2, "--machine-rank must be from 0 to 1"),
+    (_machines("127.0.0.1"), 1, "is a loopback address, which every machine takes for itself"),
     ({"num_machines": 1}, 0, "is a config for one machine"),
 ])
 def test_a_rendezvous_that_cannot_work_is_one_sentence(settings, rank, message):
@@ -70,6 +71,8 @@ def test_a_rendezvous_that_cannot_work_is_one_sentence(settings, rank, message):
 def test_the_rendezvous_is_checked_from_both_ends(monkeypatch):
     import socket
 
+    # machine 0 is played on this machine: its loopback address stands for a network address here
+    monkeypatch.setattr(env, "is_loopback", lambda ip: False)
     with socket.create_server(("127.0.0.1", 0)) as machine_0:
         port = machine_0.getsockname()[1]
         assert "machine 0 answers" in env.check_rendezvous("x.yaml", _machines("127.0.0.1", port), 1)

@@ -1,3 +1,4 @@
+import os
 import sys
 
 import pytest
@@ -253,14 +254,24 @@ def test_more_processes_than_cores_are_refused_before_the_group_forms(monkeypatc
         lifecycle.join_world(None)
 
 
-def test_before_the_group_forms_local_rank_0_alone_reports(monkeypatch):
+def test_before_the_group_forms_the_first_rank_to_find_an_error_alone_reports_it(monkeypatch, tmp_path):
+    """Whichever rank finds it first (the launcher stops the others when one exits), once per launch."""
+    import subprocess
+
     from my_utils.run.faults import first_to_say
 
-    monkeypatch.setenv("LOCAL_RANK", "1")  # every process of the machine met the same checks on the same input
-    assert not first_to_say("bad option")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    assert first_to_say("bad option")
-    monkeypatch.delenv("LOCAL_RANK")  # not launched: the only process
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the markers' folder (tempfile reads it once: set it for children)
+    code = ("import sys; from my_utils.run.faults import first_to_say; "
+            "print(first_to_say(sys.argv[1]))")
+    env = {**os.environ, "LOCAL_RANK": "1", "MASTER_PORT": "29511", "PYTHONPATH": str(launch.REPO_ROOT)}
+    said = [subprocess.run([sys.executable, "-c", code, message], env={**env, "LOCAL_RANK": rank},
+                           capture_output=True, text=True).stdout.strip()
+            for rank, message in (("1", "bad option"), ("0", "bad option"), ("0", "another error"))]
+    assert said == ["True", "False", "True"], "rank 1 found it first; rank 0 stays quiet; another error is news"
+    env["MASTER_PORT"] = "29512"  # the next launch says it again
+    again = subprocess.run([sys.executable, "-c", code, "bad option"], env=env, capture_output=True, text=True)
+    assert again.stdout.strip() == "True"
+    monkeypatch.delenv("LOCAL_RANK", raising=False)  # not launched: the only process
     assert first_to_say("bad option")
 
 

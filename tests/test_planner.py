@@ -217,7 +217,8 @@ def test_bad_input_is_one_sentence():
                             ({"adapter": AdapterSpec(rank=0)}, "rank must be a positive"),
                             ({"adapter": AdapterSpec(targets=("q_proj",))}, "No linear layer"),
                             ({"adapter": AdapterSpec(dora=True)}, "does not model the memory of --dora"),
-                            ({"device": "tpu"}, "Unknown device kind")]:
+                            ({"device": "tpu"}, "Unknown device kind"),
+                            ({"method": "qlora-8bit", "quantize": "4bit"}, "disagree; give one of them")]:
         with pytest.raises(UserError, match=message):
             planner.plan("tiny", **{"method": "lora", **kwargs})
     with pytest.raises(UserError, match="Unknown preset"):
@@ -228,6 +229,11 @@ def test_bad_input_is_one_sentence():
     assert planner.parse_size("512 MiB") == 512 * MiB and planner.parse_size("1e9") == 1e9
     with pytest.raises(UserError, match="Cannot read the memory size"):
         planner.parse_size("lots")
+
+
+def test_lora_settings_with_full_fine_tuning_are_refused_not_ignored():
+    with pytest.raises(UserError, match="--rank sets the LoRA adapter, which --method full has none of"):
+        planner.main(["--preset", "tiny", "--method", "full", "--rank", "4"])
 
 
 def test_command_line_says_whether_it_fits(capsys):

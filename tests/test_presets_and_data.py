@@ -112,3 +112,11 @@ def test_tokenize_masks_prompt_and_ends_with_eos():
     assert item["input_ids"][-1] == tok.eos_token_id
     with pytest.raises(UserError, match="does not fit max_length 4"):
         tokenize_instruction(row, tok, 4)
+
+
+def test_read_jsonl_keeps_line_separators_inside_strings_and_names_devices(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a\u2028b", "label": 1}\r\n{"text": "c\u0085d", "label": 0}\n', encoding="utf-8")
+    assert [r["text"] for r in read_jsonl(path, ("text", "label"))] == ["a\u2028b", "c\u0085d"]
+    with pytest.raises(UserError, match="/dev/null is not a regular file"):
+        read_jsonl("/dev/null", ("text",))

@@ -280,6 +280,23 @@ def test_rank_exit_ends_the_job_naming_it_and_a_resume_reproduces_the_losses(two
 
 
 @pytest.mark.slow
+def test_an_elastic_launch_restarts_a_dead_worker_and_resumes_by_itself(two_processes):
+    """torchrun --max-restarts 1: rank 1 dies after step 5; the launcher starts both workers again, and they go on
+    from the step-4 checkpoint with no --resume given, to the uninterrupted run's losses."""
+    tmp, baseline = two_processes["tmp"], two_processes["out"]
+    out = tmp / "elastic"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
+           "1", "-m", "my_utils.workflows.lora", *ARGS, "--eval-rows", "6", "--skip-generation-eval", "--timeout-s",
+           "60", "--output-dir", str(out)]
+    env = env_for(tmp, ACCELERATE_USE_CPU=1, COURSE_CRASH_AT_STEP=5, COURSE_CRASH_RANK=1, COURSE_CRASH_MODE="exit")
+    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, tail(proc)
+    info = run_info(out)
+    assert info["status"] == "complete" and [r["from_step"] for r in info["resumes"]] == [4]
+    assert losses(out) == losses(baseline)
+
+
+@pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_within_the_timeout_and_every_message_names_it(tmp_path):
     out, timeout_s = tmp_path / "stopped", 8
     cmd = accelerate_command("my_utils.workflows.lora", [*ARGS, "--eval-rows", "6", "--skip-generation-eval",

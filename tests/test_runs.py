@@ -81,3 +81,67 @@ def test_the_command_is_recorded_without_a_kernels_connection_file(tmp_path, mon
     assert results.Run.create(tmp_path / "a", config={}).info["command"] == ["lora.py", "--preset", "tiny"]
     monkeypatch.setattr("sys.argv", ["/opt/env/ipykernel_launcher.py", "-f", "/tmp/tmpabc.json"])
     assert results.Run.create(tmp_path / "b", config={}).info["command"] == ["ipykernel_launcher.py"]
+
+
+def _writer(folder, then: str):
+    """A separate process that creates the run in ``folder``, says so, then does ``then``."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from my_utils.run.results import Run
+        run = Run.create({str(folder)!r}, config={{}})
+        print("created", flush=True)
+        {then}""")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_the_writer_lock_tells_a_live_run_from_a_dead_one_whatever_its_pid(tmp_path):
+    from my_utils.run.lifecycle import check_resumable
+
+    live = _writer(tmp_path / "live", "time.sleep(60)")
+    dead = _writer(tmp_path / "dead", "os._exit(9)")  # SIGKILL-like: no finally, no status written
+    try:
+        assert live.stdout.readline().strip() == dead.stdout.readline().strip() == "created"
+        dead.wait()
+        assert results.load_run(tmp_path / "live")["run"]["status"] == "running"
+        assert results.load_run(tmp_path / "dead")["run"]["status"] == "crashed"
+        # a reused process id (a reboot, a container): run.json names a live process, the lock is gone with the writer
+        info = json.loads((tmp_path / "dead" / "run.json").read_text())
+        (tmp_path / "dead" / "run.json").write_text(json.dumps({**info, "pid": os.getpid()}))
+        assert results.load_run(tmp_path / "dead")["run"]["status"] == "crashed"
+        with pytest.raises(UserError, match="is still running"):  # a second writer is refused while one lives
+            check_resumable(tmp_path / "live", {})
+        check_resumable(tmp_path / "dead", {})  # nobody writes it: it can be resumed
+    finally:
+        live.kill()
+        live.wait()
+    assert results.load_run(tmp_path / "live")["run"]["status"] == "crashed"
+
+
+def test_a_run_that_finished_stays_finished(tmp_path):
+    run = results.Run.create(tmp_path / "r", config={})
+    run.finish({"loss": 1.0})
+    run.fail("interrupted: SIGTERM", status="interrupted")  # a signal that arrives as the process ends
+    assert results.load_run(tmp_path / "r")["run"]["status"] == "complete"
+    assert results.writer_alive(tmp_path / "r") is False, "a finished run gives its lock back"
+
+
+def test_a_name_too_long_for_the_file_system_is_one_sentence(tmp_path):
+    with pytest.raises(UserError, match=r"is 300 bytes long, over the 255 a file system allows"):
+        results.check_new_run_dir(tmp_path / ("x" * 300))
+
+
+def test_a_run_whose_settings_hold_a_token_shaped_value_can_be_resumed(tmp_path, monkeypatch):
+    """run.json records such a value redacted; the resume compares it redacted too, so it matches."""
+    from my_utils.run.lifecycle import check_resumable
+
+    data = str(tmp_path / ("hf_" + "a" * 24 + ".jsonl"))
+    run = results.Run.create(tmp_path / "r", config={"data_file": data, "seed": 0})
+    run.fail("crashed")
+    assert results.REDACTED in (tmp_path / "r" / "run.json").read_text()
+    check_resumable(tmp_path / "r", {"data_file": data, "seed": 0})
+    with pytest.raises(UserError, match="was started with --seed 0, not 1"):
+        check_resumable(tmp_path / "r", {"data_file": data, "seed": 1})

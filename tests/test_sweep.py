@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,9 @@ from my_utils.core.stats import Noise
 from my_utils.run.results import Run
 
 LADDER = {"rank": [2, 16], "alpha": [32], "learning_rate": [2e-3]}
+# a small instruction data file: the tiny preset's first rows
+TINY_ROWS = "".join((Path(__file__).resolve().parent.parent / "assets" / "tiny" / "data"
+                     / "instructions_train.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)[:64])
 
 
 def make_cell(out, cell, status="complete", **summary):
@@ -288,3 +292,91 @@ def test_seeds_of_a_cell_merge_into_its_mean_and_measure_the_noise(tmp_path):
     noise = sweep.seed_noise(sweep.load_sweep(out))
     assert noise.df == 4 and noise.sd == pytest.approx(0.1)  # two settings of three seeds, each 0.1 apart
     assert sweep.seed_noise([r for r in sweep.load_sweep(out) if r["rank"] == 4]) is None
+
+
+def test_a_data_file_value_names_a_safe_folder_and_its_file_is_never_touched(tmp_path, monkeypatch):
+    data = tmp_path / "my data" / "a.jsonl"
+    data.parent.mkdir()
+    data.write_text(TINY_ROWS)
+    relative = "b.jsonl"
+    (tmp_path / relative).write_text(TINY_ROWS)
+    monkeypatch.chdir(tmp_path)  # a relative value means what it means where the sweep starts
+    spec = sweep.SweepSpec(grids=[{"data_file": [str(data), relative], "rank": [2]}])
+    names = [sweep.cell_name(c) for c in spec.cells()]
+    assert names[0].startswith("rank2_a-") and names[1] == "rank2_b.jsonl"  # a path: a stem and a hash; a name: itself
+    assert len(set(names)) == 2 and names == [sweep.cell_name(c) for c in spec.cells()], "stable, one per value"
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / names[0]).write_text("a stray file with a cell's name")  # unreadable as a run: set aside, inside out
+
+    def fake_start(cmd, env, log):
+        cell = next(c for c in spec.cells() if sweep.cell_name(c) == sweep.Path(cmd[cmd.index("--output-dir") + 1]).name)
+        make_cell(out, cell)
+        return Finished(0)
+
+    monkeypatch.setattr(sweep, "_start", fake_start)
+    sweep.run_sweep(spec, "sweep")  # relative: resolved where the command runs
+    assert data.read_text() == TINY_ROWS and (tmp_path / relative).read_text() == TINY_ROWS
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, f"{names[0]}.unreadable", "sweep.json"])
+    assert len(sweep.cell_name({"data_file": "x" * 300})) <= sweep.LONGEST_NAME
+
+
+def test_one_sweep_per_folder_and_secrets_stay_out_of_its_record(tmp_path, monkeypatch):
+    import subprocess
+    import textwrap
+
+    secret = "hf_" + "s3cr3t" * 4
+    monkeypatch.setenv("HF_TOKEN", secret)
+    data = tmp_path / f"data_{secret}.jsonl"  # a token in a path: recorded redacted
+    data.write_text(TINY_ROWS)
+    spec = sweep.SweepSpec(grids=[{"rank": [2]}], args={"data_file": str(data)})
+    out = tmp_path / "sweep"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from my_utils.run.results import hold_folder
+        hold_folder({str(out)!r}); print("held", flush=True); time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setattr(sweep, "_start", lambda *a: pytest.fail("no cell may start"))
+        with pytest.raises(UserError, match="sweep folder .* is being written by another process right now"):
+            sweep.run_sweep(spec, out)
+    finally:
+        holder.kill()
+        holder.wait()
+    monkeypatch.setattr(sweep, "_start", lambda cmd, env, log: (make_cell(out, spec.cells()[0]), Finished(0))[1])
+    sweep.run_sweep(spec, out)  # the other sweep is gone: its lock went with it
+    assert secret not in (out / "sweep.json").read_text() and "<redacted>" in (out / "sweep.json").read_text()
+
+
+def test_sigterm_stops_the_running_cells_and_says_how_to_go_on(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import threading
+
+    started = []
+
+    def slow_start(cmd, env, log):
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return started[-1]
+
+    monkeypatch.setattr(sweep, "_start", slow_start)
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(1.0, lambda: signal.raise_signal(signal.SIGTERM)).start()
+    with pytest.raises(KeyboardInterrupt, match=r"SIGTERM; 1 cell\(s\) stopped \(rank2_alpha32\): run the same "
+                                                r"command to go on where it stopped"):
+        sweep.run_sweep(sweep.SweepSpec(grids=[{"rank": [2, 4], "alpha": [32]}]), tmp_path / "sweep")
+    assert len(started) == 1 and started[0].poll() is not None, "the running cell was stopped, not orphaned"
+    assert signal.getsignal(signal.SIGTERM) == before, "the sweep's handler is gone with it"
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"args": ["--rank", "4"]}', 'gives args as list \\["--rank", "4"\\]; it takes a dict'),
+    ('{"preset": 7}', "gives preset as int 7; it takes a str"),
+    ('{"grids": {"rank": [4]}}', "gives grids as dict"),
+    ('{"num_processes": true}', "gives num_processes as bool"),
+])
+def test_a_spec_file_of_the_wrong_shape_is_one_sentence(tmp_path, content, message):
+    (tmp_path / "spec.json").write_text(content)
+    with pytest.raises(UserError, match=message):
+        sweep.read_spec(tmp_path / "spec.json")

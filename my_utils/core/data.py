@@ -41,14 +41,19 @@ def read_jsonl(path: str | Path, columns: tuple[str, ...]) -> list[dict]:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"Data file {path} is a folder; give the path of a JSON-lines file inside it.")
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"Data file {path} does not exist; check the path or run `python scripts/make_tiny_data.py`.")
+    if not path.is_file():
+        raise UserError(f"Data file {path} is not a regular file (a device or a pipe); give the path of a JSON-lines "
+                        "file.")
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark, as some editors write, is skipped
     except UnicodeDecodeError as e:
         raise UserError(f"Data file {path} is not UTF-8 (byte {e.start}); re-save it as UTF-8.") from None
     rows = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # JSON lines end at "\n" (and "\r\n") only: str.splitlines would also cut at U+2028 and other separators that
+    # JSON text may hold unescaped inside a string
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -30,13 +30,63 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def run_id_of(checkpoint: str | Path) -> str | None:
+    """The identity of the run a checkpoint folder lies in (``<run>/<checkpoints>/checkpoint-<step>``): its run.json's
+    ``run_id``, or None for a checkpoint outside a results folder or a run from before run ids."""
+    try:
+        return read_json(Path(checkpoint).parent.parent / "run.json").get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def write_checkpoint_manifest(folder: str | Path) -> None:
-    """Record every file of a finished checkpoint with its size and SHA-256; written last, atomically."""
+    """Record every file of a finished checkpoint with its size and SHA-256, its step and the run it belongs to;
+    written last, atomically."""
     folder = Path(folder)
     files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != CHECKPOINT_MANIFEST}
-    atomic_write_json(folder / CHECKPOINT_MANIFEST, {"step": checkpoint_step(folder), "written": now(),
-                                                      "files": files})
+    atomic_write_json(folder / CHECKPOINT_MANIFEST, {"step": checkpoint_step(folder), "run_id": run_id_of(folder),
+                                                      "written": now(), "files": files})
+
+
+def rng_file(folder: str | Path, rank: int) -> Path:
+    """Where a checkpoint keeps process ``rank``'s random-number state."""
+    return Path(folder) / f"rng_state_{rank}.pt"
+
+
+def save_rng_state(folder: str | Path, rank: int) -> None:
+    """This process's random-number generators (Python, NumPy, torch on the CPU and on CUDA), so that a resumed
+    run draws what the uninterrupted one would have (dropout masks, shuffles); tensors and lists only, loadable
+    with ``weights_only``."""
+    import random
+
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
+             "python_gauss": random.getstate()[2], "numpy": torch.from_numpy(keys.astype(np.int64)),
+             "numpy_rest": [pos, has_gauss, gauss], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    torch.save(state, rng_file(folder, rank))
+
+
+def load_rng_state(folder: str | Path, rank: int) -> None:
+    """Put back what ``save_rng_state`` saved for ``rank``."""
+    import random
+
+    import numpy as np
+    import torch
+
+    state = torch.load(rng_file(folder, rank), weights_only=True)
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    pos, has_gauss, gauss = state["numpy_rest"]
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def checkpoint_problem(folder: str | Path) -> str | None:
@@ -45,12 +95,14 @@ def checkpoint_problem(folder: str | Path) -> str | None:
     or safetensors ever reads it."""
     folder = Path(folder)
     try:
-        files = read_json(folder / CHECKPOINT_MANIFEST)["files"]
-        recorded = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
+        manifest = read_json(folder / CHECKPOINT_MANIFEST)
+        recorded = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
     except FileNotFoundError:
         return "it was not finished (no manifest)"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "its manifest is unreadable or has no content hashes"
+    if manifest.get("step") != checkpoint_step(folder):  # a renamed folder would resume at a step it never reached
+        return f"it was saved at step {manifest.get('step')}, not {checkpoint_step(folder)} as its name says"
     if "trainer_state.json" not in recorded:
         return "trainer_state.json is missing"
     for name, (size, sha256) in recorded.items():
@@ -74,6 +126,7 @@ def find_resume_checkpoint(checkpoints: str | Path) -> tuple[Path, list[tuple[st
                    key=checkpoint_step, reverse=True) if checkpoints.is_dir() else []
     skipped = []
     for folder in found:
+        check_belongs(folder)
         problem = checkpoint_problem(folder)
         if problem is None:
             return folder, skipped
@@ -84,6 +137,19 @@ def find_resume_checkpoint(checkpoints: str | Path) -> tuple[Path, list[tuple[st
     name, problem = skipped[0]
     raise UserError(f"No checkpoint in {checkpoints} can be resumed from ({name}: {problem}); rerun without "
                     "--resume and another --output-dir.")
+
+
+def check_belongs(checkpoint: Path) -> None:
+    """One sentence if ``checkpoint``'s manifest names another run than the results folder it lies in (a checkpoint
+    copied from another run would resume silently with another run's weights, seed and data order)."""
+    try:
+        recorded = read_json(checkpoint / CHECKPOINT_MANIFEST).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return  # no manifest: checkpoint_problem says so
+    mine = run_id_of(checkpoint)
+    if recorded and mine and recorded != mine:
+        raise UserError(f"{checkpoint} was saved by another run (run id {recorded}, this folder's is {mine}); move it "
+                        "out of the folder, or resume the run it came from.")
 
 
 def set_aside_incomplete(checkpoints: str | Path, names) -> list[str]:

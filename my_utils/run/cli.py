@@ -20,8 +20,8 @@ def format_summary(summary: dict) -> str:
 
 def run_main(body, prefix: str = "my_utils"):
     """Run ``body()``; print its summary on rank 0; turn UserError into a one-line message and exit 2 (exit 0 for
-    NothingToDo), and JobFailed or a stopped rank (RankFailure, already recorded in the run) into a one-line message
-    and exit 1."""
+    NothingToDo), JobFailed or a stopped rank (RankFailure, already recorded in the run) into a one-line message
+    and exit 1, and Ctrl-C or SIGTERM into one line and exit 130."""
     from my_utils.core.printing import print0
 
     try:
@@ -35,6 +35,9 @@ def run_main(body, prefix: str = "my_utils"):
     except JobFailed as e:
         print(f"{prefix}: error: {redact_secrets(str(e))}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (``recorded`` has marked the run interrupted): one line
+        print(f"{prefix}: interrupted ({str(e) or 'Ctrl-C'})", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     except RankFailure as e:
         # A fault, not a bug: one line, and the stopped rank ends first, so the launcher names it too.
         print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)

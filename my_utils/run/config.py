@@ -60,6 +60,9 @@ class RunSettings:
     random_init: bool = setting(False, "random weights from the shipped config (offline, no quality)")
     report_to: tuple[str, ...] = setting((), "experiment trackers besides metrics.jsonl: tensorboard, trackio, "
                                               "wandb, mlflow... or all (default: none)")
+    timeout_s: float = setting(1800, "seconds a collective waits for a rank that stopped (died or hung) before the "
+                               "job fails naming it; keep it above the longest time one rank works alone (an "
+                               "evaluation on rank 0)")
 
     def check_common(self):
         """Check what every workflow takes, before anything starts; returns the preset. A new run's
@@ -69,6 +72,7 @@ class RunSettings:
 
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise UserError(f"--seed must be an integer from 0 to 2**32 - 1, got {self.seed!r}.")
+        check_positive("--timeout-s", self.timeout_s, float)
         if self.output_dir is not None and not getattr(self, "resume", False):
             check_new_run_dir(self.output_dir)
         if self.report_to:

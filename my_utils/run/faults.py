@@ -109,20 +109,35 @@ def announce_process() -> None:
 
 def first_to_say(message: str) -> bool:
     """Whether this process is the first of its process group to report ``message``: an error that every rank
-    finds (too many processes for the machine, a bad option) is then printed once, not once per rank. Before the
-    process group exists, every process of a machine runs the same checks on the same input, so local rank 0
-    alone says what they find (True outside a launch). True when the store cannot be reached."""
+    finds (too many processes for the machine, a bad option) is then printed once, not once per rank, by whichever
+    rank finds it first (a launcher stops the others as soon as one exits: the one that spoke must be the first).
+    Before the process group exists, the processes one launcher started on this machine agree through a marker
+    file named for that launcher; after, through the group's store. True outside a launch, and when neither can
+    be reached."""
     import hashlib
 
     import torch.distributed as dist
 
+    digest = hashlib.sha1(message.encode()).hexdigest()
     if not (dist.is_available() and dist.is_initialized()):
-        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+        if "LOCAL_RANK" not in os.environ:  # not launched: nobody else to say it
+            return True
+        import tempfile
+
+        launch = f"{os.getppid()}-{os.environ.get('MASTER_PORT', '')}-{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+        marker = Path(tempfile.gettempdir()) / f"course-said-{hashlib.sha1(launch.encode()).hexdigest()[:12]}-{digest}"
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            return False
+        except OSError:
+            return True
     store = _store()
     if store is None:
         return True
     try:
-        return store.add(f"course/said/{hashlib.sha1(message.encode()).hexdigest()}", 1) == 1
+        return store.add(f"course/said/{digest}", 1) == 1
     except Exception:  # the store's host is gone: better twice than never
         return True
 
@@ -244,12 +259,14 @@ def install_fake_oom(model) -> bool:
 
 
 def fault_settings() -> dict:
-    """The fault injection the COURSE_* variables ask for (step, rank, mode, delay; None or 0 where unset)."""
+    """The fault injection the COURSE_* variables ask for (step, rank, mode, delay; None or 0 where unset). A crash
+    is injected in the first attempt only: workers that an elastic launcher restarts (``--max-restarts``) run on."""
     mode = os.environ.get(CRASH_MODE, "raise")
     if mode not in CRASH_MODES:
         raise UserError(f"{CRASH_MODE}={mode!r} is not a fault mode; use one of {', '.join(CRASH_MODES)}.")
+    first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == 0
     return {
-        "step": int(os.environ[CRASH_AT_STEP]) if os.environ.get(CRASH_AT_STEP) else None,
+        "step": int(os.environ[CRASH_AT_STEP]) if os.environ.get(CRASH_AT_STEP) and first_attempt else None,
         "rank": int(os.environ[CRASH_RANK]) if os.environ.get(CRASH_RANK) else None,
         "mode": mode,
         "delay": float(os.environ.get(STEP_DELAY) or 0),
@@ -260,7 +277,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
     """The Trainer callbacks that make a run survivable, by name:
 
     - ``manifest``: after every checkpoint save (all ranks done), rank 0 writes the checkpoint's manifest;
-    - ``stop``: a SIGTERM during training stops every rank at the end of the same step, with a checkpoint
+    - ``stop``: a SIGTERM or Ctrl-C during training stops every rank at the end of the same step, with a checkpoint
       (``.stopped`` is then True: raise KeyboardInterrupt after ``trainer.train()`` returns);
     - ``faults``: the fault-injection hooks when a COURSE_* variable asks for one, else absent.
     """
@@ -285,7 +302,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
         def on_train_begin(self, args, trainer_state, control, **kwargs):
             _Sigterm.deferrable = True
             if _Sigterm.requested:  # it came before training started: stop at once
-                raise KeyboardInterrupt("SIGTERM")
+                raise KeyboardInterrupt(_Sigterm.name)
 
         def on_step_end(self, args, trainer_state, control, **kwargs):
             requested = _Sigterm.requested
@@ -303,7 +320,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
         def on_train_end(self, args, trainer_state, control, **kwargs):
             _Sigterm.deferrable = False
             if _Sigterm.requested and not self.stopped:  # it came after the last step: no step left to stop at
-                raise KeyboardInterrupt("SIGTERM")
+                raise KeyboardInterrupt(_Sigterm.name)
 
     class InjectFaults(TrainerCallback):
         def on_step_end(self, args, trainer_state, control, **kwargs):

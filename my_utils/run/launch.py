@@ -145,13 +145,26 @@ def _shown_argument(argument: str) -> str:
     return shown_path(argument) if os.path.isabs(argument) else argument
 
 
+# Set in a process whose output goes to a log: no progress display (a notebook's HTML bar, from a forked worker, only
+# makes the kernel complain that a fork cannot send it).
+OUTPUT_LOGGED = "COURSE_OUTPUT_LOGGED"
+
+
 def _logged(function, log):
     """``function`` with its process's output appended to ``log`` (each worker appends its own lines)."""
 
     @functools.wraps(function)  # notebook_launcher reads the function's name
     def worker(*args):
-        with output_to(log):
-            return function(*args)
+        previous = os.environ.get(OUTPUT_LOGGED)
+        os.environ[OUTPUT_LOGGED] = "1"
+        try:
+            with output_to(log):
+                return function(*args)
+        finally:
+            if previous is None:
+                os.environ.pop(OUTPUT_LOGGED, None)
+            else:
+                os.environ[OUTPUT_LOGGED] = previous
 
     return worker
 

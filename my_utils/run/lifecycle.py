@@ -20,7 +20,8 @@ from pathlib import Path
 
 from my_utils import NothingToDo, UserError
 from my_utils.run.checkpoints import checkpoint_step, find_resume_checkpoint, set_aside_incomplete
-from my_utils.run.results import Run, check_new_run_dir, now, owner_alive, read_json, redact_secrets, unique_dir
+from my_utils.run.results import (Run, check_new_run_dir, hold_folder, now, owner_alive, read_json, redact_secrets,
+                                  unique_dir)
 
 
 def _agree(state, outcome: list) -> list:
@@ -61,24 +62,43 @@ def open_run(path: str | Path | None, default: str | Path, config: dict, **field
 
 
 
-def check_resumable(run_dir: str | Path, config: dict, may_differ=()) -> dict:
-    """Before resuming: the folder is a results folder that did not complete and was started with the same
-    settings (except the keys in ``may_differ``). Returns its run.json."""
+def resume_after_restart(cfg):
+    """``cfg`` with ``resume`` set when an elastic launcher restarted this worker (``torchrun --max-restarts``, after
+    a worker died) and the results folder it names was begun: the restarted job continues from its newest whole
+    checkpoint by itself, as ``--resume`` would, instead of refusing the folder as taken."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    if restarts and cfg.output_dir and not cfg.resume and (Path(cfg.output_dir) / "run.json").is_file():
+        return dataclasses.replace(cfg, resume=True)
+    return cfg
+
+
+def check_resumable(run_dir: str | Path, config: dict, may_differ=(), *, workflow: str | None = None,
+                    checkpoints: str | None = None) -> dict:
+    """Before resuming: the folder is a results folder of ``workflow`` that did not complete, was started with the same
+    settings (except the keys in ``may_differ``) and has a whole checkpoint of its own under ``checkpoints``. Returns
+    its run.json."""
     run_dir = Path(run_dir)
-    if not (run_dir / "run.json").is_file():
+    try:
+        found = (run_dir / "run.json").is_file()
+    except OSError:  # a name longer than the file system allows, say
+        found = False
+    if not found:
         raise UserError(f"There is no results folder at {run_dir} to resume; check --output-dir or drop --resume.")
     try:
         info = read_json(run_dir / "run.json")
     except (OSError, ValueError):
         raise UserError(f"{run_dir / 'run.json'} is unreadable, so the run cannot be resumed; start a new run "
                         "with another --output-dir.") from None
+    if workflow and info.get("workflow") not in (None, workflow):
+        raise UserError(f"The run in {run_dir} was made by the {info['workflow']} workflow, not {workflow}; resume it "
+                        f"with python -m my_utils.workflows.{info['workflow']}.")
     if info.get("status") == "complete":
         raise NothingToDo(f"The run in {run_dir} is already complete; there is nothing to resume.")
-    if info.get("status") == "running" and owner_alive(info):
+    if info.get("status") == "running" and owner_alive(info, run_dir):
         raise UserError(f"The run in {run_dir} is still running (process {info['pid']}); let it finish or stop it "
                         "before resuming.")
     recorded_config = _flat(info.get("config") or {})
-    for key, value in _flat(config).items():
+    for key, value in _flat(redact_secrets(config)).items():  # as run.json recorded them: secrets redacted
         if key in may_differ or key not in recorded_config:
             continue
         old = recorded_config[key]
@@ -86,6 +106,8 @@ def check_resumable(run_dir: str | Path, config: dict, may_differ=()) -> dict:
             flag = "--" + key.replace("_", "-")
             raise UserError(f"The run in {run_dir} was started with {flag} {old!r}, not {value!r}; resume with "
                             "the same settings, or start a new run with another --output-dir.")
+    if checkpoints:
+        find_resume_checkpoint(run_dir / checkpoints)  # one sentence now if there is none of its own
     return info
 
 
@@ -125,6 +147,7 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
             if recorded_world is not None and recorded_world != world_size:
                 raise UserError(f"The run in {run_dir} trained on {recorded_world} process(es), not {world_size}; "
                                 "resume it with the same number of processes.")
+            hold_folder(run_dir, "The run in")  # two resumes of one run: the second stops here, changing nothing
             checkpoint, skipped = find_resume_checkpoint(run_dir / checkpoints)
             for name, problem in skipped:
                 print(f"passing over {name}: {problem}", file=sys.stderr, flush=True)
@@ -138,7 +161,7 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
                       "command": redact_secrets(command if command is not None
                                                 else [os.path.basename(sys.argv[0]), *sys.argv[1:]])}
             run.update(status="running", finished=None, error=None, resumes=[*info.get("resumes", []), resume],
-                       pid=os.getpid(), host=socket.gethostname())  # the resumed run's writer owns it now
+                       pid=os.getpid(), host=socket.gethostname(), writer_lock=True)  # the resumed run's writer
             outcome = [str(checkpoint), None]
         except UserError as e:
             outcome = [None, str(e)]
@@ -152,36 +175,43 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
 
 
 class _Sigterm:
-    """What the SIGTERM handler installed by ``recorded`` does: interrupt at once, or, while a Trainer can
-    stop cleanly (``StopOnSigterm`` is active), ask it to stop after the current step."""
+    """What the handler ``recorded`` installs for SIGTERM and Ctrl-C (SIGINT) does: interrupt at once, or, while a
+    Trainer can stop cleanly (``StopOnSigterm`` is active), ask it to stop after the current step. ``name`` says
+    which asked first."""
 
     deferrable = False
     requested = False
+    name = "SIGTERM"
 
 
 def _on_sigterm(signum, frame):
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
     if _Sigterm.deferrable and not _Sigterm.requested:
-        _Sigterm.requested = True
-        print("SIGTERM: stopping after this step and saving a checkpoint (send it again to stop at once)",
-              file=sys.stderr, flush=True)
+        _Sigterm.requested, _Sigterm.name = True, name
+        print(f"{name}: stopping after this step and saving a checkpoint ({'press it' if name == 'Ctrl-C' else 'send it'}"
+              " again to stop at once)", file=sys.stderr, flush=True)
         return
-    raise KeyboardInterrupt("SIGTERM")
+    if _Sigterm.deferrable and name != _Sigterm.name:  # a launcher passing Ctrl-C on as SIGTERM: not a second ask
+        return
+    raise KeyboardInterrupt(name)
 
 
 @contextmanager
 def recorded(run: Run | None):
     """Mark ``run`` failed (exception) or interrupted (Ctrl-C, SIGTERM) if the body does not finish.
 
-    SIGTERM becomes KeyboardInterrupt (or, during training with ``reliability_callbacks``, a clean stop with a
-    checkpoint, then KeyboardInterrupt) so that a preempted job leaves status 'interrupted' and no
+    SIGTERM and Ctrl-C become KeyboardInterrupt (or, during training with ``reliability_callbacks``, a clean stop with
+    a checkpoint, then KeyboardInterrupt) so that a preempted or stopped job leaves status 'interrupted' and no
     half-written summary, then exits non-zero.
     """
-    previous = signal.getsignal(signal.SIGTERM)
-    _Sigterm.requested = False
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {s: signal.getsignal(s) for s in signals}
+    _Sigterm.requested, _Sigterm.name = False, "SIGTERM"
     try:
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread (e.g. some notebook launch paths): keep the default
-        previous = None
+        for s in signals:
+            signal.signal(s, _on_sigterm)
+    except ValueError:  # not the main thread (e.g. some notebook launch paths): keep the defaults
+        previous = {}
     try:
         yield run
     except KeyboardInterrupt as e:
@@ -194,8 +224,8 @@ def recorded(run: Run | None):
         raise
     finally:
         _Sigterm.deferrable = False
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 
@@ -311,6 +341,13 @@ def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints:
             run.trackers = open_trackers(report_to, folder, folder.name)
         try:
             yield life
+        except Exception as e:  # a collective that failed because a rank stopped: the rank named, on every rank
+            from my_utils.run.faults import name_stopped_ranks
+
+            failure = name_stopped_ranks(e, world_size, getattr(cfg, "timeout_s", 1800))
+            if failure is None:
+                raise
+            raise failure from e
         finally:
             for tracker in run.trackers if run is not None else ():
                 tracker.finish()

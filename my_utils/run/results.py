@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 from my_utils import UserError
@@ -98,6 +99,10 @@ def check_new_run_dir(path: str | Path) -> Path:
     if not str(path).strip():
         raise UserError("--output-dir is empty; name a new folder, or leave the option out for one under runs/.")
     path = Path(path)
+    too_long = next((part for part in path.parts if len(part.encode()) > 255), None)
+    if too_long is not None:
+        raise UserError(f"Results folder name {too_long[:40]}... is {len(too_long.encode())} bytes long, over the 255 "
+                        "a file system allows; choose a shorter --output-dir.")
     if path.exists():
         raise UserError(
             f"Results folder {path} already exists and is never overwritten; choose another --output-dir or delete it."
@@ -175,6 +180,7 @@ class Run:
             raise
         info = {
             "status": "running",
+            "run_id": uuid.uuid4().hex,  # the run's identity: its checkpoints carry it, and a resume checks it
             "command": redact_secrets(command if command is not None else invocation()),
             "config": redact_secrets(config),
             **git_state(),
@@ -186,11 +192,14 @@ class Run:
             "pid": os.getpid(),
             "ppid": os.getppid(),
             "host": socket.gethostname(),
+            "writer_lock": True,  # this process holds the folder's lock while it writes (hold_folder)
             **fields,
         }
         try:
+            hold_folder(path)
             atomic_write_json(path / "run.json", info)
         except BaseException:  # e.g. a full disk: an empty folder would only block the retry
+            release_folder(path)
             path.rmdir()
             raise
         return cls(path)
@@ -233,9 +242,15 @@ class Run:
         """Write summary.json, then mark the run complete: a complete run always has its summary."""
         atomic_write_json(self.path / "summary.json", summary)
         self.update(status="complete", finished=now())
+        release_folder(self.path)
 
     def fail(self, error: str, status: str = "failed") -> None:
+        """Mark the run failed (or ``status``), unless it already completed: a finished run stays finished (a
+        SIGTERM that arrives as the process ends changes nothing)."""
+        if self.info.get("status") == "complete":
+            return
         self.update(status=status, finished=now(), error=error)
+        release_folder(self.path)
 
 
 # Names of settings whose values are secrets (split into words: "hf_token" -> hf, token).
@@ -302,10 +317,64 @@ def find_run_dirs(*paths: str | Path) -> list[Path]:
     return sorted(found)
 
 
-def owner_alive(info: dict) -> bool | None:
-    """Whether the process that writes a run (run.json's pid and host) is alive: None when it cannot be known
-    here (another machine, or no pid recorded)."""
-    if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
+# Results folders this process writes, each with its locked descriptor (see ``hold_folder``).
+_HELD: dict[str, int] = {}
+
+
+def hold_folder(folder: str | Path, what: str = "The results folder") -> None:
+    """Take the writer's lock on ``folder`` for as long as this process writes it: an OS lock on the folder itself
+    (``flock``), which ends with the process however it ends (SIGKILL, a reboot), so that no second writer can take
+    the folder over and a dead writer is never taken for a live one (a reused process id is). One sentence if
+    another process holds it."""
+    import fcntl
+
+    key = os.path.realpath(folder)
+    if key in _HELD:
+        return
+    fd = os.open(folder, os.O_RDONLY)  # not inherited by the processes this one starts
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise UserError(f"{what} {folder} is being written by another process right now; let it finish, or stop "
+                        "it, before running this command again.") from None
+    _HELD[key] = fd
+
+
+def release_folder(folder: str | Path) -> None:
+    """Give back the writer's lock on ``folder`` (the run it holds is finished)."""
+    fd = _HELD.pop(os.path.realpath(folder), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def writer_alive(folder: str | Path) -> bool | None:
+    """Whether a process holds the writer's lock on ``folder`` (this one included); None where it cannot be told."""
+    import fcntl
+
+    if os.path.realpath(folder) in _HELD:
+        return True
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the shared lock taken above, if any
+
+
+def owner_alive(info: dict, folder: str | Path | None = None) -> bool | None:
+    """Whether the process that writes a run is alive: from the folder's writer lock where the run took one (run.json
+    says ``writer_lock``), else from its pid; None when it cannot be known here (another machine, no pid)."""
+    if info.get("host") != socket.gethostname():
+        return None
+    if folder is not None and info.get("writer_lock"):
+        return writer_alive(folder)
+    if not isinstance(info.get("pid"), int):
         return None
     try:
         os.kill(info["pid"], 0)  # signal 0: only asks whether the process exists
@@ -316,11 +385,11 @@ def owner_alive(info: dict) -> bool | None:
     return True
 
 
-def current_status(info: dict) -> str:
+def current_status(info: dict, folder: str | Path | None = None) -> str:
     """A run's status as every reader should see it: ``running`` whose writer is gone (SIGKILL, a full disk, a
-    lost machine's process on this one) is ``crashed``."""
+    lost machine's process on this one) is ``crashed``. Give the run's ``folder`` for its writer lock."""
     status = info.get("status")
-    return "crashed" if status == "running" and owner_alive(info) is False else status
+    return "crashed" if status == "running" and owner_alive(info, folder) is False else status
 
 
 def load_run(path: str | Path) -> dict:
@@ -339,7 +408,7 @@ def load_run(path: str | Path) -> dict:
     info = _read_object(path / "run.json")
     return {
         "path": str(path),
-        "run": {**info, "status": current_status(info)},
+        "run": {**info, "status": current_status(info, path)},
         "summary": _read_object(summary) if summary.is_file() else None,
         "metrics": rows,
     }

@@ -61,13 +61,43 @@ class Comparison:
 # ---------------------------------------------------------------------------------------------- loading
 
 
+# The figures the tables read from a summary (numbers, or absent), and the records they read from run.json.
+NUMBER_KEYS = ("steps", "samples_per_s", "samples_per_cpu_s", "tokens_per_s", "train_loss_first", "train_loss_final",
+               "eval_loss", "eval_loss_before", "runtime_s", "world_size", "trainable_params", "total_params",
+               "peak_memory_bytes", "learning_rate", "grad_accum", "effective_batch", "batch_size_per_process",
+               "adapter_bytes", "exact_match_before", "exact_match_after", "similarity_before", "similarity_after",
+               "accuracy_before", "accuracy_after", "rank")
+RECORD_KINDS = {"status": str, "config": dict, "versions": dict, "devices": list, "commit": str, "world_size": int}
+
+
+def malformed(run: dict) -> str | None:
+    """What in a loaded run is not as a course run writes it (a field of another type: a folder written by hand or
+    by another program), in a few words; None when the tables can read it."""
+    for key, kind in RECORD_KINDS.items():
+        value = run["run"].get(key)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return f"run.json's {key} is {type(value).__name__}, not {kind.__name__}"
+    summary = run["summary"] if isinstance(run["summary"], dict) else {}
+    for key in NUMBER_KEYS:
+        value = summary.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            return f"summary.json's {key} is {type(value).__name__}, not a number"
+    for entry in summary.get("memory") or ():
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k, {}), dict) for k in ("end", "breakdown")):
+            return "summary.json's memory is not a list of per-rank records"
+    return None
+
+
 def load_runs(*paths) -> tuple[list[dict], list[dict]]:
     """(complete runs, other runs) found at or below ``paths``; each other run carries ``reason``."""
     complete, other = [], []
     for d in find_run_dirs(*paths):
         try:
             run = load_run(d)
-        except (OSError, ValueError) as e:  # a run.json or summary.json that is not a JSON object
+            problem = malformed(run)
+            if problem:
+                raise ValueError(problem)
+        except (OSError, ValueError) as e:  # a run.json or summary.json that is not a JSON object, or not a run's
             other.append({"path": str(d), "run": {}, "summary": None, "metrics": [],
                           "reason": f"unreadable: {e.strerror if isinstance(e, OSError) else e}"})
             continue

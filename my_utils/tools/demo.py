@@ -124,7 +124,17 @@ def main(argv=None) -> Path:
     record = Run.create(root / "demo", config={"notebooks": [nb.name for nb in selected], **parameters})
     print(f"Running {len(selected)} notebook(s) on the {args.preset} preset into {root.relative_to(REPO_ROOT)}/",
           flush=True)
-    timings = {}
+    import nbformat
+
+    timings, taken = {}, {}
+    for nb in selected:  # what each lesson takes of the settings asked for; one line for what it leaves
+        taken[nb.name] = [name for name in parameters if name in declared_parameters(nbformat.read(nb, as_version=4))]
+        left = [f"{name}={parameters[name]}" for name in parameters if name not in taken[nb.name]
+                and (name != "PRESET" or args.preset != "tiny")]
+        if left:
+            print(f"note: {nb.stem} declares no {', '.join(n.split('=')[0] for n in left)}: it runs as written, "
+                  f"without {', '.join(left)}", flush=True)
+    record.update(parameters_taken=taken)
     try:
         for nb in (bar := tqdm(selected, unit="notebook", file=sys.stdout)):
             bar.set_description(nb.stem)

@@ -13,6 +13,7 @@ before it fails, and no course code runs before that; ``--machine-rank`` checks 
 from __future__ import annotations
 
 import errno
+import ipaddress
 import json
 import os
 import socket
@@ -45,6 +46,11 @@ def read_accelerate_config(path: str | Path) -> dict:
     return settings
 
 
+def is_loopback(ip: str) -> bool:
+    """Whether ``ip`` is a loopback address (127.x, ::1), which names each machine itself."""
+    return ipaddress.ip_address(ip.split("%")[0]).is_loopback
+
+
 def check_rendezvous(config_path: str | Path, settings: dict, machine_rank: int, timeout_s: float = 3.0) -> str:
     """Whether this machine, as ``machine_rank``, can take part in the config's rendezvous at
     ``main_process_ip:main_process_port``: machine 0 hosts it, so the address must be one of its own and the port
@@ -65,6 +71,10 @@ def check_rendezvous(config_path: str | Path, settings: dict, machine_rank: int,
         raise UserError(f"main_process_ip {host} in {config_path} is not an address (it does not resolve); set it "
                         "to the address of machine 0 (`hostname -I` there lists them).") from None
     family, _, _, _, (ip, *_) = address
+    if machine_rank > 0 and is_loopback(ip):
+        raise UserError(f"main_process_ip {host} in {config_path} is a loopback address, which every machine takes for "
+                        "itself: machine 0 cannot be reached there from another; set it to machine 0's network "
+                        "address (`hostname -I` there lists them).")
     if machine_rank == 0:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             try:
@@ -81,8 +91,8 @@ def check_rendezvous(config_path: str | Path, settings: dict, machine_rank: int,
         socket.create_connection((ip, port), timeout=timeout_s).close()
         return f"rendezvous: machine 0 answers at {host}:{port}"
     except ConnectionRefusedError:
-        return (f"rendezvous: {host} answers but nothing listens on port {port} yet; the launch waits for machine "
-                "0's")
+        return (f"rendezvous: {host} answers but nothing listens on port {port} yet; the launch on this machine "
+                "will wait until machine 0's starts")
     except OSError:
         raise UserError(f"Machine 0 at {host}:{port} (main_process_ip in {config_path}) cannot be reached from this "
                         f"machine within {timeout_s:g} s; set its address as this machine sees it, and open the "

@@ -49,7 +49,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -642,7 +642,10 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
 def _method(method: str, quantize: str | None) -> tuple[str, str]:
     """Normalise (method, quantize): 'qlora' means 4-bit unless 8-bit is asked; 'qlora-8bit' is accepted too."""
     if method.startswith("qlora-"):
-        method, quantize = "qlora", method.split("-", 1)[1]
+        named = method.split("-", 1)[1]
+        if quantize not in (None, "none", named):
+            raise UserError(f"--method {method} and --quantize {quantize} disagree; give one of them.")
+        method, quantize = "qlora", named
     if method not in METHODS:
         raise UserError(f"Unknown method {method!r}; choose one of {', '.join(METHODS)}.")
     if method == "qlora":
@@ -869,7 +872,12 @@ def main(argv=None) -> Plan:
         limit, limit_name = psutil.virtual_memory().total / args.processes, f"this machine's memory / {args.processes}"
     elif args.device:
         limit_name, limit = device_memory(args.device)
-    p = plan(args.preset, args.method, adapter=build_config(AdapterSpec, vars(args)), batch_size=args.batch_size,
+    adapter = build_config(AdapterSpec, vars(args))
+    if args.method == "full" and adapter != AdapterSpec():
+        changed = next(f.name for f in fields(AdapterSpec) if getattr(adapter, f.name) != getattr(AdapterSpec(), f.name))
+        raise UserError(f"--{changed.replace('_', '-')} sets the LoRA adapter, which --method full has none of; drop "
+                        "it, or plan --method lora.")
+    p = plan(args.preset, args.method, adapter=adapter, batch_size=args.batch_size,
              max_length=args.max_length,
              processes=args.processes, dtype=args.dtype, quantize=args.quantize,
              gradient_checkpointing=args.gradient_checkpointing, device="cpu" if on_cpu else "cuda", zero=args.zero,

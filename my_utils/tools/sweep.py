@@ -26,14 +26,17 @@ runtimes only between cells that ran under the same conditions.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import itertools
 import json
 import math
+import re
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from my_utils import JobFailed, UserError
 from my_utils.core.adapters import AdapterSpec
@@ -121,19 +124,39 @@ def _canonical(key: str, value, options: dict):
     return list(value) if isinstance(value, tuple) else value
 
 
+PLAIN_VALUE = re.compile(r"[A-Za-z0-9_.+=-]{1,40}")
+LONGEST_NAME = 120  # characters of a cell's folder name; a longer one keeps its start and a hash of the whole
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:8]
+
+
+def _name_part(text: str) -> str:
+    """A text value as part of a folder name: itself when short and plain (a module name, ``full``), else a readable
+    stem and a short hash of the whole value, so that a path never names a folder outside the sweep nor nests
+    folders, and two values never share a name."""
+    if PLAIN_VALUE.fullmatch(text) and text.strip(".") and not text.startswith("-"):
+        return text
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "-", PurePath(text).stem or text).strip("-")[:24] or "value"
+    return f"{stem}-{_short_hash(text)}"
+
+
 def cell_name(cell: dict) -> str:
-    """A cell's folder name, from its options: ``rank16_alpha32_lr0.004``, ``full_lr0.0004``, ``rank4_rslora``."""
+    """A cell's folder name, from its options: ``rank16_alpha32_lr0.004``, ``full_lr0.0004``, ``rank4_rslora``,
+    ``a-1f2e3d4c`` for a data file ``/data/a.jsonl``; always one folder inside the sweep's."""
     parts = []
     for key, value in cell.items():
         if value is True:
             parts.append(key)
         elif isinstance(value, list):
-            parts.append("+".join(value))
+            parts.append("+".join(_name_part(str(v)) for v in value))
         elif isinstance(value, str):
-            parts.append(value)
+            parts.append(_name_part(value))
         else:
             parts.append(f"{SHORT_NAMES.get(key, key)}{value:g}")
-    return "_".join(parts) or "default"
+    name = "_".join(parts) or "default"
+    return name if len(name) <= LONGEST_NAME else f"{name[:LONGEST_NAME - 9]}-{_short_hash(name)}"
 
 
 @dataclass
@@ -226,7 +249,7 @@ def cell_command(spec: SweepSpec, cell: dict, folder: Path) -> list[str]:
 def _status(folder: Path) -> str | None:
     """The cell's run status (``crashed`` for a running one whose process is gone), or None without a run."""
     try:
-        return current_status(read_json(folder / "run.json"))
+        return current_status(read_json(folder / "run.json"), folder)
     except (OSError, ValueError):
         return "unreadable" if folder.exists() else None
 
@@ -260,14 +283,13 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     fails does not stop the others (JobFailed at the end names them), unless it refused its input (exit code 2):
     the others would refuse it too, so the sweep stops with that cell's sentence. A model that is neither cached
     nor downloadable stops it before any cell starts."""
-    from tqdm.auto import tqdm
 
     from my_utils.core.devices import usable_cores
     from my_utils.run.config import check_positive
-    from my_utils.run.launch import check_process_count, clean_env, is_cpu_only
-    from my_utils.run.results import check_outside_runs
+    from my_utils.run.launch import check_process_count, is_cpu_only
+    from my_utils.run.results import check_outside_runs, hold_folder, release_folder
 
-    out = Path(out)
+    out = Path(out).absolute()  # the cells run where the sweep was started, and write here whatever their folder
     check_positive("--jobs", jobs)
     check_process_count(spec.num_processes)
     if jobs > 1 and (spec.num_processes > 1 or not is_cpu_only()):
@@ -286,8 +308,23 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
 
         check_available(get_preset(spec.preset).require("causal"))
     out.mkdir(parents=True, exist_ok=True)
+    hold_folder(out, "The sweep folder")  # one sweep per folder at a time, for as long as this one runs
+    try:
+        return _run_cells(spec, out, jobs, steady_memory)
+    finally:
+        release_folder(out)
+
+
+def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool) -> list[dict]:
+    """``run_sweep``'s work once its checks passed and it holds the sweep folder."""
+    from tqdm.auto import tqdm
+
+    from my_utils.core.devices import usable_cores
+    from my_utils.run.launch import clean_env
+    from my_utils.run.results import redact_secrets
+
     cells = {cell_name(c): c for c in _saved_cells(out)} | {cell_name(c): c for c in spec.cells()}
-    atomic_write_json(out / "sweep.json", {**asdict(spec), "cells": list(cells.values())})
+    atomic_write_json(out / "sweep.json", redact_secrets({**asdict(spec), "cells": list(cells.values())}))
 
     todo = []
     for cell in spec.cells():
@@ -309,6 +346,7 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     env = clean_env(TQDM_DISABLE=1, **threads, **(STEADY_MEMORY_ENV if steady_memory else {}))
     running, failed, todo_names = {}, [], [cell_name(c) for c in todo]
     bar = tqdm(total=len(todo), desc="sweep", unit="cell", file=sys.stdout)
+    previous = _stop_on_sigterm()
     try:
         while todo or running:
             while todo and len(running) < jobs:
@@ -331,11 +369,22 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
                     raise UserError(f"The cell {folder.name} refused its settings, and the sweep stopped: {reason}")
                 if proc.returncode:
                     failed.append(folder.name)
-    finally:
-        for proc in running:  # interrupted: the cells still training stop too (and record it)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the cells still training stop too (and record it)
+        for proc in running:
             proc.terminate()
             proc.wait()
         bar.close()
+        stopped = ", ".join(folder.name for folder, _, _ in running.values())
+        raise KeyboardInterrupt(f"{str(e) or 'Ctrl-C'}; {len(running)} cell(s) stopped ({stopped or 'none running'}): run "
+                                "the same command to go on where it stopped") from None
+    finally:
+        for proc in running:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+        bar.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if failed:
         named = ", ".join(failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
         raise JobFailed(f"{len(failed)} of {len(todo_names)} cell(s) failed ({named}); each one's output is in its "
@@ -343,14 +392,30 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     return load_sweep(out)
 
 
+def _stop_on_sigterm():
+    """SIGTERM (a scheduler stopping the sweep) raised as KeyboardInterrupt, as Ctrl-C is, so that the running cells
+    are stopped and recorded; returns the handler it replaced (None off the main thread, where it changes nothing)."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        return None
+
+
 def _start(cmd: list[str], env: dict, log):
+    """A cell's process, in the folder the sweep was started from (relative paths in its settings mean what they
+    meant there), the course importable from anywhere."""
+    import os
     import subprocess
 
-    from my_utils.run.results import REPO_ROOT
+    from my_utils.run.results import REPO_ROOT, redact_secrets
 
-    log.write("$ " + " ".join(cmd) + "\n")
+    log.write("$ " + " ".join(redact_secrets(cmd)) + "\n")
     log.flush()
-    return subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(cmd, env={**env, "PYTHONPATH": path}, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _ended(folder: Path, seconds: float) -> str:
@@ -823,6 +888,11 @@ def read_spec(path: Path) -> dict:
     unknown = [key for key in spec if key not in keys]
     if unknown:
         raise UserError(f"Sweep spec {path} has an unknown key {unknown[0]!r}; use {', '.join(keys)}.")
+    for key, kind, example in (("preset", str, '"tiny"'), ("args", dict, '{"max_steps": 30}'),
+                               ("grids", list, '[{"rank": [4, 16]}]'), ("num_processes", int, "2")):
+        if key in spec and (not isinstance(spec[key], kind) or isinstance(spec[key], bool)):
+            raise UserError(f"Sweep spec {path} gives {key} as {type(spec[key]).__name__} {json.dumps(spec[key])[:40]};"
+                            f" it takes a {kind.__name__}, like {example}.")
     return spec
 
 

@@ -277,7 +277,7 @@ def train(cfg: Config) -> dict:
     from my_utils.workflows.pipeline import disable_dropout
 
     preset = validate(cfg)
-    world_size = join_world(cfg.num_processes)
+    world_size = join_world(cfg.num_processes, cfg.timeout_s)
     set_seed(cfg.seed)
     rank = dist.get_rank() if world_size > 1 else 0
     device = per_rank_device()

@@ -106,7 +106,7 @@ def train(cfg: Config) -> dict:
     from my_utils.workflows.ddp_common import block_dataset, build_model, throughput, worker_report, write_worker_report
 
     preset = validate(cfg)
-    check_single_process(join_world(cfg.num_processes))
+    check_single_process(join_world(cfg.num_processes, cfg.timeout_s))
     gpus = gpus_to_use(cfg.num_gpus)
     cfg = resolve(cfg, preset, gpus)
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)

@@ -136,7 +136,7 @@ def train(cfg: Config) -> dict:
 
     preset = validate(cfg)
     init_process_group()
-    world_size = join_world(cfg.num_processes)
+    world_size = join_world(cfg.num_processes, cfg.timeout_s)
     cfg = resolve(cfg, preset, world_size)
     rank = dist.get_rank()
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)

@@ -33,7 +33,7 @@ def train(cfg: Config) -> dict:
     from my_utils.run.lifecycle import join_world, run_lifecycle
     from my_utils.workflows.ddp_common import block_dataset, build_model, worker_report, write_worker_report
 
-    world_size = join_world(cfg.num_processes)
+    world_size = join_world(cfg.num_processes, cfg.timeout_s)
     cfg = resolve(cfg, preset, world_size)
     learning_rate = step_learning_rate(cfg, preset, world_size)
     global_batch = cfg.batch_size * cfg.grad_accum * world_size

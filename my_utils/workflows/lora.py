@@ -34,7 +34,6 @@ each rank trained on, trainable parameters and adapter size.
 from __future__ import annotations
 
 import gc
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -91,9 +90,6 @@ class Config(RunSettings):
     save_steps: int | None = setting(None, "save a checkpoint every N steps (weights as safetensors; the newest two "
                                      "are kept); none without it")
     resume: bool = setting(False, "continue --output-dir from its newest whole checkpoint, with the same settings")
-    timeout_s: float = setting(1800, "seconds a collective waits for a rank that stopped (died or hung) before the "
-                               "job fails naming it; keep it above the longest time one rank works alone (the "
-                               "generation evaluation)")
     auto_batch_size: bool = setting(False, "on out-of-memory, retry with a smaller per-process batch (recorded in "
                                     "summary.json)")
     mixed_precision: str = setting("auto", "auto: bf16 where it trains faster than fp32 (GPUs with bf16, CPUs with "
@@ -105,7 +101,6 @@ class Config(RunSettings):
 def validate(cfg: Config):
     """Check the settings before anything starts (nothing heavy is imported, nothing is written); returns the
     preset. Files are checked next, by ``load_inputs``, also before the results folder is touched."""
-    from my_utils.run.checkpoints import find_resume_checkpoint
     from my_utils.run.config import check_choice, check_positive
     from my_utils.run.launch import check_process_count
     from my_utils.run.lifecycle import check_resumable
@@ -130,7 +125,6 @@ def validate(cfg: Config):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
     if cfg.learning_rate is not None:
         check_positive("--learning-rate", cfg.learning_rate, float)
-    check_positive("--timeout-s", cfg.timeout_s, float)
     check_choice("mixed precision", cfg.mixed_precision, MIXED_PRECISION)
     if cfg.num_processes is not None:
         check_process_count(cfg.num_processes)
@@ -139,8 +133,8 @@ def validate(cfg: Config):
             raise UserError("--resume continues an existing results folder; name it with --output-dir.")
         # resolved against resolved: run.json records the settings with every default filled in
         resolved = resolve(cfg, preset, cfg.num_processes or 1)
-        check_resumable(cfg.output_dir, asdict(resolved), may_differ=RESUME_MAY_DIFFER)
-        find_resume_checkpoint(Path(cfg.output_dir) / CHECKPOINTS)  # one sentence now if there is none
+        check_resumable(cfg.output_dir, asdict(resolved), may_differ=RESUME_MAY_DIFFER, workflow="lora",
+                        checkpoints=CHECKPOINTS)
     if cfg.mixed_precision == "fp16":
         from my_utils.run.launch import is_cpu_only
 
@@ -221,8 +215,10 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
 
 def train(cfg: Config) -> dict:
     """Fine-tune and evaluate; returns the summary (on every rank; rank 0 also writes it)."""
+    from my_utils.run.lifecycle import join_world, resume_after_restart, run_lifecycle
+
+    cfg = resume_after_restart(cfg)  # restarted by torchrun --max-restarts: go on from the newest checkpoint
     preset = validate(cfg)  # before any heavy import: bad settings fail in a fraction of a second
-    from my_utils.run.lifecycle import join_world, run_lifecycle
 
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     cfg = resolve(cfg, preset, world_size)  # run.json records the settings as they ran
@@ -296,9 +292,11 @@ def train(cfg: Config) -> dict:
 
 def training_arguments(cfg: Config, folder: Path, learning_rate: float):
     """The Trainer's settings for ``cfg`` (resolved), writing its checkpoints inside the results ``folder``."""
+    import os
+
     from transformers import TrainingArguments
 
-    from my_utils.run.launch import is_cpu_only
+    from my_utils.run.launch import OUTPUT_LOGGED, is_cpu_only
 
     return TrainingArguments(
         output_dir=str(folder / CHECKPOINTS),
@@ -316,6 +314,7 @@ def training_arguments(cfg: Config, folder: Path, learning_rate: float):
         save_steps=cfg.save_steps or 500,  # the Trainer's default, unused without --save-steps
         save_total_limit=KEEP_CHECKPOINTS,
         report_to="none",
+        disable_tqdm=True if os.environ.get(OUTPUT_LOGGED) else None,  # a log file wants no progress bar
         use_cpu=is_cpu_only(),
         seed=cfg.seed,
         data_seed=cfg.seed,  # the shuffling order, the same again when a run resumes
@@ -383,9 +382,11 @@ def _fit(trainer, checkpoint, stop, world_size: int, timeout_s: float):
     finally:
         gc.unfreeze()
     if stop.stopped:
+        from my_utils.run.lifecycle import _Sigterm
+
         step = trainer.state.global_step
-        raise KeyboardInterrupt(f"SIGTERM; stopped after step {step} with {CHECKPOINTS}/checkpoint-{step}, "
-                                "continue with --resume")
+        raise KeyboardInterrupt(f"{_Sigterm.name}; stopped after step {step} with {CHECKPOINTS}/checkpoint-{step}: "
+                                "the same command with --resume continues")
     return result, time.perf_counter() - started
 
 
@@ -526,11 +527,7 @@ def parse_args(argv=None) -> Config:
 def main(argv=None) -> dict:
     from my_utils.run.cli import run_main
 
-    try:
-        return run_main(lambda: train(parse_args(argv)), prefix="lora")
-    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: run.json says interrupted; one line, not a traceback
-        print(f"lora: interrupted ({e or 'Ctrl-C'})", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
+    return run_main(lambda: train(parse_args(argv)), prefix="lora")
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ def train(cfg: Config) -> dict:
     from my_utils.run.lifecycle import join_world
 
     preset = validate(cfg)
-    world_size = join_world(cfg.num_processes)
+    world_size = join_world(cfg.num_processes, cfg.timeout_s)
     if world_size < 2:
         raise UserError(f"--mode {cfg.mode} splits the model over processes but this run has one; "
                         "launch it with torchrun --nproc_per_node 2 or accelerate launch --num_processes 2.")

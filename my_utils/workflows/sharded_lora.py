@@ -23,7 +23,7 @@ from my_utils.run.results import RUNS_ROOT
 
 STAGES = ("zero2", "zero3")
 CHECKPOINTS = "checkpoints"
-RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "save_steps"})  # where and how often, not what it trains
+RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "save_steps", "timeout_s"})  # where and how, not what it trains
 
 
 @dataclass
@@ -54,14 +54,13 @@ def validate(cfg: Config):
     if cfg.resume:
         from dataclasses import asdict
 
-        from my_utils.run.checkpoints import find_resume_checkpoint
         from my_utils.run.lifecycle import check_resumable
 
         if not cfg.output_dir:
             raise UserError("--resume continues an existing results folder; name it with --output-dir.")
         resolved = resolve(cfg, preset, cfg.num_processes or 2)  # run.json records the resolved settings
-        check_resumable(cfg.output_dir, asdict(resolved), may_differ=RESUME_MAY_DIFFER)
-        find_resume_checkpoint(Path(cfg.output_dir) / CHECKPOINTS)  # one sentence now if there is none
+        check_resumable(cfg.output_dir, asdict(resolved), may_differ=RESUME_MAY_DIFFER, workflow="sharded_lora",
+                        checkpoints=CHECKPOINTS)
     return preset
 
 
@@ -100,19 +99,23 @@ def save_whole(model, optimizer, folder: Path, step: int | None = None) -> None:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
-    from my_utils.run.checkpoints import write_checkpoint_manifest
+    from my_utils.run.checkpoints import save_rng_state, write_checkpoint_manifest
     from my_utils.run.results import atomic_write_json
 
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered to rank 0, on the CPU
     state = get_model_state_dict(model, options=whole)
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=whole) if step is not None else None
+    if step is not None:  # every rank's generators: a resume then draws the same dropout masks
+        save_rng_state(folder, dist.get_rank())
     if dist.get_rank() == 0:
         adapter = get_peft_model_state_dict(model, state_dict=state)
         model.save_pretrained(folder / "adapter", state_dict=adapter, safe_serialization=True)
         if step is not None:
             torch.save(optimizer_state, folder / "optimizer.pt")
             atomic_write_json(folder / "trainer_state.json", {"global_step": step})
-            write_checkpoint_manifest(folder)
+    dist.barrier()
+    if step is not None and dist.get_rank() == 0:  # last: the manifest lists every rank's files
+        write_checkpoint_manifest(folder)
     dist.barrier()
 
 
@@ -138,6 +141,9 @@ def probe_logits(model, dataset) -> list[float]:
 
 def train(cfg: Config) -> dict:
     """Train LoRA on a sharded base; returns the summary (on every rank; rank 0 also writes it)."""
+    from my_utils.run.lifecycle import resume_after_restart
+
+    cfg = resume_after_restart(cfg)  # restarted by torchrun --max-restarts: go on from the newest checkpoint
     preset = validate(cfg)
     import torch
     import torch.distributed as dist
@@ -159,7 +165,10 @@ def train(cfg: Config) -> dict:
                                       weight_decay=0.0)
         done = 0
         if life.checkpoint is not None:
+            from my_utils.run.checkpoints import load_rng_state
+
             restore_optimizer(model, optimizer, life.checkpoint)
+            load_rng_state(life.checkpoint, dist.get_rank())
             done = int(life.checkpoint.name.rsplit("-", 1)[1])
         batches = rank_batches(dataset, cfg, world_size)
         for _ in range(done):  # the batches the checkpoint had already trained on

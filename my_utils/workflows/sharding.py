@@ -299,7 +299,7 @@ def start_worker(cfg, preset, resolve_config):
     from my_utils.run.lifecycle import join_world
     from my_utils.workflows.ddp_common import block_dataset, build_model
 
-    world_size = join_world(cfg.num_processes)
+    world_size = join_world(cfg.num_processes, cfg.timeout_s)
     check_world(world_size)
     cfg = resolve_config(cfg, preset, world_size)
     dataset = block_dataset(preset, cfg.max_length)

@@ -71,6 +71,15 @@ def parse_args(argv=None) -> tuple[list[str], Settings]:
     for name in ("steps", "threads", "memory_batch_size", "memory_max_length", "repeats", "batch_size"):
         if getattr(args, name) is not None:
             check_positive(f"--{name.replace('_', '-')}", getattr(args, name))
+    from my_utils.core.devices import usable_cores
+
+    if args.threads > usable_cores():
+        raise UserError(f"--threads {args.threads} is more than this machine's {usable_cores()} cores; use "
+                        f"--threads {usable_cores()} or fewer.")
+    if args.data_file is not None:  # before any measured run starts
+        from my_utils.core.data import INSTRUCTION_COLUMNS, read_jsonl
+
+        read_jsonl(args.data_file, INSTRUCTION_COLUMNS)
     if args.steps <= 2 * WARMUP_STEPS:
         raise UserError(f"--steps {args.steps} leaves too few steps after the {WARMUP_STEPS} warm-up steps; "
                         f"use --steps {2 * WARMUP_STEPS + 1} or more.")

@@ -252,13 +252,13 @@ def abandoned(folder: Path, name: str) -> str | None:
     bench's measured runs may outlive it); else None."""
     try:
         info = read_json(folder / "run.json")
-        inside = [read_json(p) for p in folder.rglob("run.json") if p.parent != folder]
+        inside = [(p.parent, read_json(p)) for p in folder.rglob("run.json") if p.parent != folder]
     except (OSError, ValueError):
         return None
-    status = current_status(info)
+    status = current_status(info, folder)
     if info.get("benchmark") != name or status not in ("crashed", "interrupted"):
         return None
-    return None if any(current_status(run) == "running" for run in inside) else status
+    return None if any(current_status(run, path) == "running" for path, run in inside) else status
 
 
 def benchmark_folder(root: Path, name: str) -> Path:

@@ -162,7 +162,7 @@ def run_step(loop, cfg: Config, loop_has_trackers: bool = False) -> dict:
 
     step_name = module_name(loop)
     preset = validate(cfg)
-    world_size = join_world(cfg.num_processes)
+    world_size = join_world(cfg.num_processes, cfg.timeout_s)
     cfg = resolve(cfg, preset, world_size)
     check_enough_rows(len(block_dataset(preset, cfg.max_length)), cfg.batch_size * cfg.grad_accum * world_size)
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)
