@@ -20,10 +20,15 @@ import pytest  # noqa: E402
 
 @pytest.fixture
 def subprocess_env(tmp_path):
-    """Environment for a launched job: the repo importable, offline, one thread per process."""
+    """Environment for a launched job: the repo importable, offline, one thread per process, and on a machine
+    without GPUs the variable that puts a several-process accelerate launch on the CPU (as the README's commands do)."""
+    from my_utils.run.launch import is_cpu_only
+
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
+    if is_cpu_only():
+        env["ACCELERATE_USE_CPU"] = "1"
     env["HF_HOME"] = str(tmp_path / "hf_home")  # no stray user accelerate config
     return env
 
@@ -46,6 +51,29 @@ def tracked_losses():
                 {m["step"]: m["loss"] for m in lines if "loss" in m})
 
     return read
+
+
+@pytest.fixture
+def held_elsewhere(subprocess_env):
+    """A context manager of a folder: while inside it, another live process holds that folder's writer lock (as a
+    run or sweep writing there does); the lock goes when the process is killed, as it does with a killed writer."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def hold(folder):
+        code = ("import sys, time\nfrom my_utils.run.results import hold_folder\n"
+                "hold_folder(sys.argv[1]); print('held', flush=True); time.sleep(120)")
+        holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True,
+                                  env=subprocess_env)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            yield holder
+        finally:
+            holder.kill()
+            holder.wait()
+            holder.stdout.close()
+
+    return hold
 
 
 @pytest.hookimpl(wrapper=True)

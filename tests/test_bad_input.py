@@ -228,20 +228,18 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, status, config, resume
     assert (folder / "run.json").read_bytes() == before
 
 
-def test_a_running_run_is_refused_while_its_process_lives_and_reads_as_crashed_once_it_is_gone(tmp_path):
-    from my_utils.run.results import load_run
+def test_a_running_run_is_refused_while_its_writer_lives_and_reads_as_crashed_once_it_is_gone(tmp_path,
+                                                                                                held_elsewhere):
+    from my_utils.run.results import load_run, release_folder
 
     folder = _finished_run(tmp_path / "run", "failed")
-    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        Run(folder).update(status="running", pid=writer.pid)  # as a live run records itself
+    Run(folder).update(status="running")  # as a live run records itself
+    release_folder(folder)
+    with held_elsewhere(folder):
         assert load_run(folder)["run"]["status"] == "running"
         with pytest.raises(UserError, match=r"is still running \(process \d+\); let it finish") as e:
             lora.validate(lora_config(output_dir=str(folder), resume=True))
         assert_one_sentence(str(e.value))
-    finally:
-        writer.kill()
-        writer.wait()
     assert load_run(folder)["run"]["status"] == "crashed"  # SIGKILL left "running" behind; every reader says so
     assert json.loads((folder / "run.json").read_text())["status"] == "running"  # reading changed nothing
 

@@ -47,9 +47,9 @@ def results(tmp_path):
     fake_run(root / "lora_x1", processes=1, samples_per_s=10.0)
     fake_run(root / "lora_x2", processes=2, samples_per_s=16.0)
     fake_run(root / "full_x1", processes=1, samples_per_s=5.0, method="full", rank=None)
-    fake_run(root / "crashed", processes=2).fail("RuntimeError: boom")
+    fake_run(root / "crashed", processes=2, finish=False).fail("RuntimeError: boom")
     fake_run(root / "still_running", processes=2, finish=False)
-    fake_run(root / "killed", processes=2).fail("interrupted: SIGTERM", status="interrupted")
+    fake_run(root / "killed", processes=2, finish=False).fail("interrupted: SIGTERM", status="interrupted")
     (root / "lora_x1" / ".summary.json.abc123.tmp").write_text("{half a fi")  # a crash's temporary file
     return root
 
@@ -79,6 +79,15 @@ def test_speedup_groups_runs_that_differ_only_by_process_count(results):
     assert set(by_run) == {"lora_x1", "lora_x2"}  # the full fine-tuning run is another experiment
     assert by_run["lora_x2"][header.index("speedup")] == "1.60x"
     assert by_run["lora_x2"][header.index("efficiency")] == "80%"
+
+
+def test_runs_that_differ_in_more_than_the_process_count_form_no_group_and_a_line_says_why(tmp_path):
+    fake_run(tmp_path / "lora_x1", processes=1, samples_per_s=10.0).update(threads_per_process=2)
+    fake_run(tmp_path / "lora_x2", processes=2, samples_per_s=16.0).update(threads_per_process=1)
+    c = compare.compare(tmp_path)
+    assert c.speedup_groups == {}
+    assert ("no speedup for lora_x1 against lora_x2: they differ in more than the process count (threads per process "
+            "2 against 1)") in c.notes
 
 
 def test_memory_batch_and_quality_tables(results):
@@ -122,6 +131,27 @@ def test_the_reference_comparison_fits_a_terminal_and_its_plots_stay_readable(tm
     for png in (tmp_path / "out").glob("*.png"):
         width, height = struct.unpack(">II", png.read_bytes()[16:24])  # the PNG header's IHDR
         assert width <= 2000 and height <= 3000, (png.name, width, height)
+
+
+def test_loss_curves_are_legible_at_a_glance(tmp_path):
+    """Rendered and inspected: every line of a panel styled apart (identical curves still both show), a folder split
+    over panels says which share each is, axes named, and a run without a curve named instead of dropped."""
+    from my_utils.core.plots import LEGEND_ENTRIES, loss_figure
+
+    for i in range(LEGEND_ENTRIES + 2):  # more runs than one panel labels, all with the same curve
+        fake_run(tmp_path / "lesson" / f"run_{i:02d}", processes=1 + i % 2)
+    fake_run(tmp_path / "lesson" / "one_point", losses=(2.0,))
+    c = compare.compare(tmp_path)
+    fig = loss_figure(c.runs, c.labels)
+    axes = [ax for ax in fig.axes if ax.get_visible()]
+    titles = [ax.get_title() for ax in axes]
+    assert len(axes) == 2 and len(set(titles)) == 2 and "(1 of 2)" in titles[0] and "(2 of 2)" in titles[1]
+    assert "no curve (under 2 losses logged): one_point" in titles[0]
+    for ax in axes:
+        styles = [(line.get_color(), line.get_linestyle()) for line in ax.get_lines()]
+        assert len(set(styles)) == len(styles), "two lines of one panel look alike"
+        assert len(ax.get_legend().get_texts()) == len(styles) and ax.get_xlabel() and ax.get_ylabel()
+        assert ax.get_xlabel().startswith("samples seen")  # every run reports its batch: one x-axis for all
 
 
 def test_unreadable_and_summaryless_folders_are_listed(tmp_path):
@@ -184,7 +214,7 @@ def test_a_real_tiny_run_is_compared(tmp_path, subprocess_env):
     subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", "--preset", "tiny", "--max-steps", "2",
                     "--skip-generation-eval", "--eval-rows", "8", "--output-dir", str(out)],
                    env=subprocess_env, check=True, capture_output=True, text=True)
-    fake_run(tmp_path / "runs" / "crashed").fail("RuntimeError: boom")
+    fake_run(tmp_path / "runs" / "crashed", finish=False).fail("RuntimeError: boom")
     c = compare.compare(tmp_path / "runs")
     assert [c.labels[r["path"]] for r in c.runs] == ["real"]
     summary = json.loads((out / "summary.json").read_text())

@@ -83,6 +83,10 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, tracked_losse
     summary = json.loads((out_dir / "summary.json").read_text())
     assert run["status"] == "complete"
     assert run["world_size"] == 2 and run["backend"] == "gloo"  # as seen inside the workers
+    # the launch as the user typed it, to repeat it: the launcher, its config, and the variable the CPU needs
+    assert run["launch"]["launcher"].startswith("ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 accelerate launch "
+                                                "--config_file "), run["launch"]
+    assert "-m my_utils.workflows.lora --preset tiny" in run["launch"]["launcher"]
     assert summary["world_size"] == 2 and summary["effective_batch"] == 2 * summary["batch_size_per_process"]
     assert run["config"]["chunked_loss"] is True and summary["chunked_loss"] is True  # on by default, recorded
     assert [m["rank"] for m in summary["memory"]] == [0, 1]
@@ -119,8 +123,10 @@ def _check_adapter_folder_stands_alone(out_dir, run, summary):
     for fact in (f"| method | {summary['method']} |", f"| rank, alpha | {summary['rank']}, {summary['alpha']} |",
                  f"| targets | {', '.join(summary['targets'])} |", f"| steps | {summary['steps']} of",
                  f"| held-out loss | {summary['eval_loss_before']:.4g} -> {summary['eval_loss']:.4g} |",
-                 " ".join(run["command"]), run["commit"][:12]):
+                 (run.get("launch") or {}).get("launcher") or " ".join(run["command"]), run["commit"][:12],
+                 "| base model | the `tiny` preset's model"):  # a preset travels; the clone's path is only a note
         assert fact in card, f"the model card lacks {fact!r}:\n{card}"
+    assert "base_model:" not in card.split("---")[1], "no local path in the card's front matter"
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir)  # the base named in adapter_config.json
     assert tokenizer.eos_token is not None and model.peft_config["default"].r == summary["rank"]

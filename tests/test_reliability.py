@@ -21,7 +21,7 @@ import pytest
 from my_utils import UserError
 from my_utils.run.checkpoints import (CHECKPOINT_MANIFEST, checkpoint_problem, find_resume_checkpoint,
                                       write_checkpoint_manifest)
-from my_utils.run.launch import REPO_ROOT, accelerate_command
+from my_utils.run.launch import REPO_ROOT, accelerate_command, is_cpu_only
 from my_utils.run.results import load_run
 from my_utils.tools.compare import load_runs
 from my_utils.workflows.lora import default_mixed_precision
@@ -40,6 +40,8 @@ SECRET = "hf_" + "Zq8" * 10  # a token-shaped value in the environment: it must 
 def env_for(tmp: Path, **extra) -> dict:
     env = dict(os.environ)
     env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", HF_HOME=str(tmp / "hf_home"), HF_TOKEN=SECRET)
+    if is_cpu_only():
+        env["ACCELERATE_USE_CPU"] = "1"
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -321,9 +321,7 @@ def test_a_data_file_value_names_a_safe_folder_and_its_file_is_never_touched(tmp
     assert len(sweep.cell_name({"data_file": "x" * 300})) <= sweep.LONGEST_NAME
 
 
-def test_one_sweep_per_folder_and_secrets_stay_out_of_its_record(tmp_path, monkeypatch):
-    import subprocess
-    import textwrap
+def test_one_sweep_per_folder_and_secrets_stay_out_of_its_record(tmp_path, monkeypatch, held_elsewhere):
 
     secret = "hf_" + "s3cr3t" * 4
     monkeypatch.setenv("HF_TOKEN", secret)
@@ -332,18 +330,10 @@ def test_one_sweep_per_folder_and_secrets_stay_out_of_its_record(tmp_path, monke
     spec = sweep.SweepSpec(grids=[{"rank": [2]}], args={"data_file": str(data)})
     out = tmp_path / "sweep"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import sys, time
-        from my_utils.run.results import hold_folder
-        hold_folder({str(out)!r}); print("held", flush=True); time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with held_elsewhere(out):
         monkeypatch.setattr(sweep, "_start", lambda *a: pytest.fail("no cell may start"))
         with pytest.raises(UserError, match="sweep folder .* is being written by another process right now"):
             sweep.run_sweep(spec, out)
-    finally:
-        holder.kill()
-        holder.wait()
     monkeypatch.setattr(sweep, "_start", lambda cmd, env, log: (make_cell(out, spec.cells()[0]), Finished(0))[1])
     sweep.run_sweep(spec, out)  # the other sweep is gone: its lock went with it
     assert secret not in (out / "sweep.json").read_text() and "<redacted>" in (out / "sweep.json").read_text()

@@ -76,11 +76,17 @@ def adapter_card(saved: dict, run_info: dict, summary: dict) -> str:
     """A model card (README.md) for an adapter saved in a results folder: base model, method, rank, targets, data,
     steps, held-out scores and the command that trained it. ``saved`` is the adapter's adapter_config.json (what
     peft will load), ``run_info`` the run's run.json and ``summary`` its summary."""
+    from pathlib import Path
+
     config = run_info.get("config", {})
     base = saved.get("base_model_name_or_path")
+    # a hub id travels; a local folder (the tiny preset's) is named by its preset, its path only a note
+    local = base is not None and Path(str(base)).is_absolute()
+    shown_base = (f"the `{config.get('preset')}` preset's model (loaded from `{base}` when trained)" if local
+                  else f"`{base}` (preset `{config.get('preset')}`)")
     targets = saved.get("target_modules") or []
     variant = "".join(name for name, key in ((" (rsLoRA)", "use_rslora"), (" (DoRA)", "use_dora")) if saved.get(key))
-    rows = [("base model", f"`{base}` (preset `{config.get('preset')}`)"),
+    rows = [("base model", shown_base),
             ("method", summary.get("method", "lora")),
             ("rank, alpha", f"{saved.get('r')}, {saved.get('lora_alpha')}{variant}"),
             ("targets", targets if isinstance(targets, str) else ", ".join(sorted(targets))),
@@ -91,17 +97,17 @@ def adapter_card(saved: dict, run_info: dict, summary: dict) -> str:
         if summary.get(after) is not None:
             start = f"{summary[before]:.4g} -> " if summary.get(before) is not None else ""
             rows.append((label, f"{start}{summary[after]:.4g}"))
-    command = " ".join(str(part) for part in run_info.get("command") or [])
+    command = (run_info.get("launch") or {}).get("launcher") or " ".join(str(p) for p in run_info.get("command") or [])
     commit = f" at commit `{run_info['commit'][:12]}`" if run_info.get("commit") else ""
     table = "\n".join(f"| {label} | {value} |" for label, value in rows)
+    front = "" if local else f"base_model: {base}\n"
     return f"""---
-base_model: {base}
-library_name: peft
+{front}library_name: peft
 tags:
 - lora
 ---
 
-# LoRA adapter for `{base}`
+# LoRA adapter for {"the " + str(config.get("preset")) + " preset's model" if local else f"`{base}`"}
 
 | | |
 |---|---|

@@ -58,11 +58,26 @@ def loss_panels(runs: list[dict], labels: dict[str, str]) -> list[tuple[str, lis
             for i in range(0, len(members), LEGEND_ENTRIES)]
 
 
-def loss_curves(runs: list[dict], labels: dict[str, str], path: str | Path) -> Path:
-    """Training loss, one panel per folder of runs (a lesson's, a benchmark's; at most ``LEGEND_ENTRIES`` runs a
-    panel), so that only runs of one experiment share axes. Against samples seen (step x effective batch) where
-    every run of the panel reports its batch, as runs with a larger batch take fewer steps for the same data;
-    else against optimizer steps."""
+# Every line of a panel tells apart from the others at a glance, even where two coincide: its own colour, and a line
+# style and marker that change with it (a dashed line over a solid one shows both).
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "x")
+
+
+def line_style(i: int) -> dict:
+    """The matplotlib style of the ``i``-th line of a panel."""
+    from matplotlib import colormaps
+
+    return {"color": colormaps["tab20"](i % 20), "linestyle": LINE_STYLES[i % len(LINE_STYLES)],
+            "marker": MARKERS[i % len(MARKERS)], "markevery": 0.2, "markersize": 4}
+
+
+def loss_figure(runs: list[dict], labels: dict[str, str]):
+    """The figure ``loss_curves`` saves: one panel per folder of runs (at most ``LEGEND_ENTRIES`` lines a panel; a
+    folder with more gets several, each titled with its share), every line styled apart (``line_style``). The x-axis
+    is samples seen (step x effective batch) in a panel whose every run reports its batch, as runs with a larger batch
+    take fewer steps for the same data, else optimizer steps; a run with fewer than two logged losses is named under
+    its panel's title rather than silently left out."""
     from matplotlib.ticker import MaxNLocator
 
     panels = loss_panels(runs, labels)
@@ -70,20 +85,38 @@ def loss_curves(runs: list[dict], labels: dict[str, str], path: str | Path) -> P
     rows = -(-len(panels) // columns)
     fig = new_figure(4.5 * columns, 3.6 * rows)
     axes = fig.subplots(rows, columns, squeeze=False).flatten()
+    shares = {}
+    for folder, _ in panels:
+        shares[folder] = shares.get(folder, 0) + 1
+    seen = {}
     for ax, (folder, members) in zip(axes, panels):
+        seen[folder] = seen.get(folder, 0) + 1
         per_sample = all(run["summary"].get("effective_batch") for run in members)
-        for run in members:
+        for i, run in enumerate(members):
             steps, losses = zip(*[(m["step"], m["loss"]) for m in run["metrics"] if "loss" in m and "step" in m])
             scale = run["summary"]["effective_batch"] if per_sample else 1
-            ax.plot([step * scale for step in steps], losses, marker=".", label=Path(labels[run["path"]]).name)
+            ax.plot([step * scale for step in steps], losses, label=Path(labels[run["path"]]).name, **line_style(i))
+        title = folder if folder != "." else "runs"
+        if shares[folder] > 1:
+            title += f" ({seen[folder]} of {shares[folder]})"
+        flat = [Path(labels[r["path"]]).name for r in runs if str(Path(labels[r["path"]]).parent) == folder
+                and sum("loss" in m and "step" in m for m in r["metrics"]) < 2]
+        if flat and seen[folder] == 1:
+            title += f"\nno curve (under 2 losses logged): {', '.join(flat)}"
         ax.set(xlabel="samples seen (step x effective batch)" if per_sample else "optimizer step",
-               ylabel="training loss", title=folder if folder != "." else "runs")
+               ylabel="training loss", title=title)
+        ax.title.set_fontsize("small")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="x-small")
     for ax in axes[len(panels):]:
         ax.set_visible(False)
-    return save(fig, path)
+    return fig
+
+
+def loss_curves(runs: list[dict], labels: dict[str, str], path: str | Path) -> Path:
+    """Training loss of ``runs``, drawn by ``loss_figure``, saved as PNG at ``path``."""
+    return save(loss_figure(runs, labels), path)
 
 
 def memory_bars(runs: list[dict], labels: dict[str, str], path: str | Path) -> Path:

@@ -198,28 +198,28 @@ GPU_ONLY_ENGINES = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "
 
 def check_gpu_only_launch() -> None:
     """One sentence when the launch asked for GPUs on a machine without any: FSDP or DeepSpeed (accelerate runs
-    neither on a CPU, and the worker would otherwise train as plain DDP while its config says it shards), or a
-    one-process GPU config (configs/single_gpu.yaml)."""
+    neither on a CPU, and the worker would otherwise train as plain DDP while its config says it shards), a
+    one-process GPU config (configs/single_gpu.yaml), or a several-process launch without ACCELERATE_USE_CPU=1 (a GPU
+    config such as configs/multi_gpu.yaml, or the CPU config without its variable: accelerate's launcher does not tell
+    its workers which). Made from the environment alone, before any process group forms: it is the first thing that
+    stops such a launch, and the first thing said."""
+    if not is_cpu_only():
+        return
     asked = [name for key, name in GPU_ONLY_ENGINES.items() if os.environ.get(key, "").lower() == "true"]
-    if asked and is_cpu_only():
+    if asked:
         raise UserError(f"The launch config asks for {asked[0]}, which accelerate runs only on GPUs, and this machine "
                         "has none; on a CPU, ZeRO runs with torch's own FSDP2: ACCELERATE_USE_CPU=1 torchrun "
                         "--nproc_per_node 2 -m my_utils.workflows.sharding.")
-    # accelerate's one-process launcher passes the config's use_cpu on; its several-process launcher does not, so a
-    # GPU config there cannot be told from configs/cpu_x2.yaml (cpu_launch_note says where such processes run)
-    if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "false" and is_cpu_only():
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower()
+    if use_cpu == "false":  # accelerate's one-process launcher passes the config's use_cpu on
         raise UserError("The launch config is for a GPU (use_cpu: false) and this machine has none; on a CPU use "
                         "--config_file configs/cpu_x1.yaml (configs/cpu_x2.yaml for 2 processes).")
-
-
-def cpu_launch_note(num_processes: int) -> str | None:
-    """For processes that ``accelerate launch`` started on a machine without GPUs, without ACCELERATE_USE_CPU (a
-    GPU config such as configs/multi_gpu.yaml, or cpu_x2.yaml without the variable): where they train."""
     launched = "ACCELERATE_DYNAMO_MODE" in os.environ  # accelerate launch always passes its dynamo settings
-    if launched and is_cpu_only() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true"):
-        return (f"note: this machine has no GPU: the {num_processes} process(es) of this launch train on the CPU "
-                "over gloo, whatever the launch config says.")
-    return None
+    if launched and int(os.environ.get("WORLD_SIZE", "1")) > 1 and use_cpu not in ("1", "true"):
+        raise UserError("This machine has no GPU, and the launch did not set ACCELERATE_USE_CPU=1 (a GPU config, or "
+                        "the CPU config without the variable its workers need); on a CPU launch it as "
+                        "ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml, with the same module "
+                        "and options.")
 
 
 def check_world_size(expected: int | None = None, timeout_s: float | None = None) -> int:
@@ -235,13 +235,10 @@ def check_world_size(expected: int | None = None, timeout_s: float | None = None
     from accelerate import PartialState
 
     kwargs = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+    check_gpu_only_launch()  # before the process group: the first thing that would stop the launch
     if is_cpu_only():  # said, not guessed: DeepSpeed (which transformers' Trainer imports where it is installed)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # would log a warning while finding out
     state = PartialState(cpu=is_cpu_only(), **kwargs)
-    check_gpu_only_launch()  # once the process group is up, so that the ranks say it once (run_main)
-    note = cpu_launch_note(state.num_processes)
-    if note and state.is_main_process:
-        print(note, file=sys.stderr, flush=True)
     expected = int(os.environ.get("WORLD_SIZE", "1")) if expected is None else expected
     if state.num_processes != expected:
         raise UserError(

@@ -161,6 +161,43 @@ def invocation() -> list[str]:
     return [name] if name == "ipykernel_launcher.py" else [name, *sys.argv[1:]]
 
 
+# The environment settings that decide how a launch runs: part of the command as the user typed it.
+LAUNCH_ENV = ("ACCELERATE_USE_CPU", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "ACCELERATE_MIXED_PRECISION")
+
+
+def launch_record() -> dict | None:
+    """How this process was started when a launcher started it (torchrun, ``accelerate launch``, a notebook's
+    ``notebook_launcher``): the launcher's command line as typed, and the environment settings in ``LAUNCH_ENV``;
+    None for a process started directly (``invocation`` then says it all)."""
+    if "LOCAL_RANK" not in os.environ:
+        return None
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+        argv = [part.decode("utf-8", "replace") for part in parent if part]
+        # the launcher's environment as it started: what the user set, not what the launcher adds for its workers
+        started = dict(line.split(b"=", 1) for line in Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
+                       if b"=" in line)
+        given = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in started.items()}
+    except OSError:
+        argv, given = [], dict(os.environ)
+    env = {k: given[k] for k in LAUNCH_ENV if k in given}
+    if any("ipykernel" in part for part in argv):
+        return {"launcher": "notebook_launcher, from a notebook", "env": env}
+    shown = []
+    for i, part in enumerate(argv):
+        name = os.path.basename(part)
+        if i == 0 and name.startswith("python"):
+            continue  # the interpreter's path: "python -m torch.distributed.run" is torchrun
+        shown.append({"torch.distributed.run": "torchrun", "accelerate.commands.launch": "accelerate launch"}.get(
+            part, name if i <= 1 else part))
+    if shown[:1] == ["-m"]:
+        shown = shown[1:]
+    if shown[:1] == ["accelerate"] and shown[1:2] == ["launch"]:
+        shown = ["accelerate launch", *shown[2:]]
+    typed = " ".join([*(f"{k}={v}" for k, v in env.items()), *shown])
+    return {"launcher": redact_secrets(typed), "env": redact_secrets(env)}
+
+
 class Run:
     """A results folder being written. Create it on rank 0 only."""
 
@@ -182,6 +219,7 @@ class Run:
             "status": "running",
             "run_id": uuid.uuid4().hex,  # the run's identity: its checkpoints carry it, and a resume checks it
             "command": redact_secrets(command if command is not None else invocation()),
+            "launch": launch_record(),  # under a launcher: its command line as typed, and what set it up
             "config": redact_secrets(config),
             **git_state(),
             "versions": library_versions(),

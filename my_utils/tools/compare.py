@@ -28,8 +28,9 @@ from my_utils.core.memory import format_bytes, peak_bytes
 from my_utils.run.results import check_outside_runs, find_run_dirs, load_run
 
 # Configuration keys that do not make two runs different experiments: the process count is what a speedup
-# varies; the others say where and how a run is kept (its folder, resuming, checkpoints, a collective's timeout).
-NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir", "resume", "timeout_s", "save_steps"})
+# varies; the others say where a run is kept and how long a collective waits. (Checkpointing, resuming and the
+# threads per process change the speed: runs that differ in them are not one experiment.)
+NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir", "resume", "timeout_s"})
 # A summary with none of these is not a training run (e.g. the demo's own record of notebook timings).
 TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
 VERSIONS_MARK = "†"
@@ -181,14 +182,39 @@ def hardware(run: dict) -> str:
     return (gpus or cpus or ["unknown"])[0]
 
 
-def experiment_key(run: dict) -> str:
-    """What must match for two runs to differ only by their number of processes: the workflow, method, hardware
-    and configuration, and the folder that holds them (one lesson's or benchmark's runs: a benchmark's 1-process
-    repeats of another kind are not another group's baseline)."""
+def experiment_settings(run: dict) -> dict:
+    """What must match for two runs to differ only by their number of processes: the workflow, method, hardware,
+    configuration, threads per process, whether it was resumed, and the folder that holds them (one lesson's or
+    benchmark's runs: a benchmark's 1-process repeats of another kind are not another group's baseline)."""
     config = {k: v for k, v in (run["run"].get("config") or {}).items() if k not in NOT_EXPERIMENT_KEYS}
     s = run["summary"]
-    return json.dumps([s.get("workflow"), s.get("method"), hardware(run), config, str(Path(run["path"]).parent)],
-                      sort_keys=True, default=str)
+    return {"workflow": s.get("workflow"), "method": s.get("method"), "hardware": hardware(run),
+            "threads per process": run["run"].get("threads_per_process"), "resumed": bool(run["run"].get("resumes")),
+            "folder": str(Path(run["path"]).parent), **config}
+
+
+def experiment_key(run: dict) -> str:
+    return json.dumps(experiment_settings(run), sort_keys=True, default=str)
+
+
+def ungrouped_notes(runs: list[dict], groups, labels: dict[str, str]) -> list[str]:
+    """One line for each run that a run of another process count in its folder would have been compared with, but
+    for other settings: which ones (a speedup compares process counts alone)."""
+    grouped = {r["path"] for _, members, _ in groups for r in members}
+    notes = []
+    for r in runs:
+        if r["path"] in grouped or not r["summary"].get("samples_per_s"):
+            continue
+        mine = experiment_settings(r)
+        others = [o for o in runs if world_size(o) != world_size(r) and experiment_settings(o)["folder"] == mine["folder"]
+                  and o["summary"].get("samples_per_s")]
+        if others:
+            theirs = experiment_settings(others[0])
+            differ = [f"{k} {mine.get(k)!r} against {theirs.get(k)!r}" for k in sorted(set(mine) | set(theirs), key=str)
+                      if mine.get(k) != theirs.get(k)][:3]
+            notes.append(f"no speedup for {labels[r['path']]} against {labels[others[0]['path']]}: they differ in more "
+                         f"than the process count ({'; '.join(differ)})")
+    return notes
 
 
 def world_size(run: dict) -> int:
@@ -337,6 +363,7 @@ def compare(*paths, root: Path | str | None = None) -> Comparison:
     missing_base = [g for g, _, base in groups if not base]
     if missing_base:
         notes.append(f"no 1-process run to measure speedup against in: {', '.join(missing_base)}")
+    notes += ungrouped_notes(complete, groups, labels)
     return Comparison(complete, labels, tables, speedups,
                       [(labels[r["path"]], r["reason"]) for r in other], notes)
 

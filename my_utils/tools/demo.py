@@ -100,7 +100,7 @@ def main(argv=None) -> Path:
     from my_utils.core.presets import get_preset
     from my_utils.run.config import OneLineParser, check_positive
     from my_utils.run.launch import check_process_count, max_processes
-    from my_utils.tools.compare import overview
+    from my_utils.tools.compare import load_runs, overview
 
     p = OneLineParser(prog="python -m my_utils demo", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -135,6 +135,7 @@ def main(argv=None) -> Path:
             print(f"note: {nb.stem} declares no {', '.join(n.split('=')[0] for n in left)}: it runs as written, "
                   f"without {', '.join(left)}", flush=True)
     record.update(parameters_taken=taken)
+    started = time.perf_counter()
     try:
         for nb in (bar := tqdm(selected, unit="notebook", file=sys.stdout)):
             bar.set_description(nb.stem)
@@ -143,8 +144,9 @@ def main(argv=None) -> Path:
         record.fail(f"{type(e).__name__} in {nb.name}: {str(e)[-500:]}")
         print(f"\n{nb.name} failed; the partly executed notebook is in {root / nb.name}", file=sys.stderr)
         raise SystemExit(1) from None
-    record.finish({"notebook_seconds": timings, "total_seconds": sum(timings.values())})
-    print()
-    print(overview(root, root=root))
-    print(f"\nDone in {sum(timings.values()):.0f} s. Results: {root.relative_to(REPO_ROOT)}/")
+    wall = time.perf_counter() - started
+    record.finish({"notebook_seconds": timings, "total_seconds": sum(timings.values()), "wall_seconds": wall})
+    if load_runs(root)[0]:  # a lesson without runs of its own (00) has no table to show
+        print("\n" + overview(root, root=root))
+    print(f"\nDone: {len(selected)} notebook(s) in {wall:.0f} s. Results: {root.relative_to(REPO_ROOT)}/")
     return root

@@ -131,12 +131,17 @@ def restore_optimizer(model, optimizer, checkpoint: Path) -> None:
 
 
 def probe_logits(model, dataset) -> list[float]:
-    """The first logits of a fixed batch: the saved adapter, reloaded anywhere, must give them again."""
+    """The first logits of a fixed batch, in eval mode (no adapter dropout): the saved adapter, reloaded anywhere,
+    must give them again."""
     import torch
 
     probe = torch.as_tensor(dataset[0]["input_ids"])[None]
-    with torch.no_grad():
-        return model(input_ids=probe).logits[0, :4, :4].flatten().tolist()
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(input_ids=probe).logits[0, :4, :4].flatten().tolist()
+    finally:
+        model.train()
 
 
 def train(cfg: Config) -> dict:
@@ -163,7 +168,7 @@ def train(cfg: Config) -> dict:
         model = sharded_lora_model(base, cfg, life.checkpoint)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
                                       weight_decay=0.0)
-        done = 0
+        done, losses = 0, []
         if life.checkpoint is not None:
             from my_utils.run.checkpoints import load_rng_state
 
@@ -181,7 +186,8 @@ def train(cfg: Config) -> dict:
             optimizer.zero_grad(set_to_none=True)
             mean = loss.detach().clone()
             dist.all_reduce(mean)
-            life.log({"step": step, "loss": mean.item() / world_size})
+            losses.append(mean.item() / world_size)
+            life.log({"step": step, "loss": losses[-1]})
             if cfg.save_steps and step % cfg.save_steps == 0:
                 save_whole(model, optimizer, life.folder / CHECKPOINTS / f"checkpoint-{step}", step)
             if step == crash_at:
@@ -192,6 +198,9 @@ def train(cfg: Config) -> dict:
         if life.is_main:
             summary = {"workflow": "sharded_lora", "preset": cfg.preset, "stage": cfg.stage,
                        "world_size": world_size, "steps": cfg.max_steps, "rank": cfg.adapter.rank,
+                       # of this process's steps (a resumed run's first is its first step after the checkpoint)
+                       "train_loss_first": losses[0] if losses else None,
+                       "train_loss_final": losses[-1] if losses else None,
                        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
                        "adapter_bytes": (life.folder / "adapter" / "adapter_model.safetensors").stat().st_size,
                        "probe_logits": logits}

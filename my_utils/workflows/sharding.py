@@ -310,13 +310,18 @@ def start_worker(cfg, preset, resolve_config):
 
 def rank_batches(dataset, cfg, world_size: int):
     """This rank's batches, epoch after epoch, in an order fixed by the seed (the same in every run)."""
+    import torch
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
 
     from my_utils.workflows.ddp import batches_forever
 
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=dist.get_rank(), seed=cfg.seed)
-    return batches_forever(DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True), sampler)
+    # its own generator: each epoch's iterator draws a seed from it, which would otherwise come from the global one
+    # and shift the dropout masks of a run resumed from a checkpoint (it skips ahead through fresh iterators)
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+                        generator=torch.Generator().manual_seed(cfg.seed))
+    return batches_forever(loader, sampler)
 
 
 def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> dict:
@@ -380,6 +385,8 @@ def train(cfg: Config) -> dict:
         summary = summarize(cfg, world_size, parameters, per_rank) if life.is_main else None
         if life.is_main:
             memory_plot(summary, life.folder / "memory.png")
+            print(f"memory per process, measured against the formulas: {life.folder / 'memory.png'} (and summary.json)",
+                  flush=True)
         life.finish(summary)
     return life.summary
 

@@ -53,7 +53,9 @@ def run(s: Settings, folder: Path):
     for window, key in ((whole, ""), (steady, "steady_")):
         rows += [
             ratio_row(NAME, "useful tokens/s, training", f"LoRA workflow, {two}", one, course_run[f"{key}ratio"],
-                      target=TARGETS["ddp"], cpu_ratio=course_run[f"{key}cpu_time_ratio"], detail=f"{shape}, {window}"),
+                      target=TARGETS["ddp"], cpu_ratio=course_run[f"{key}cpu_time_ratio"], detail=f"{shape}, {window}",
+                      if_missed="each step the ranks wait in the all-reduce for the one whose padded batch is "
+                                "longer, and 2 processes share 2 cores with the rest of the machine"),
             ratio_row(NAME, "useful tokens/s, training", f"bare DDP loop, {two}", one, bare_run[f"{key}ratio"],
                       cpu_ratio=bare_run[f"{key}cpu_time_ratio"], detail=f"{shape}, {window}"),
             ratio_row(NAME, "2-process speed-up", "LoRA workflow's", "bare DDP loop's",

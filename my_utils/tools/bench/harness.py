@@ -220,26 +220,51 @@ def paired_ratio(measured: list[dict], baseline: list[dict], rate: str = "tokens
 
 
 def ratio_row(benchmark: str, figure: str, measured: str, baseline: str, ratio: float, *, target: float | None = None,
-              at_most: bool = False, cpu_ratio: float | None = None, detail: str = "") -> dict:
-    """One line of the results table: ``measured`` / ``baseline`` of ``figure``, and whether it meets the target."""
+              at_most: bool = False, cpu_ratio: float | None = None, detail: str = "", if_missed: str = "") -> dict:
+    """One line of the results table: ``measured`` / ``baseline`` of ``figure``, and whether it meets the target;
+    ``if_missed``: why the target can be missed where it is (said beside a MISSED, in words a reader gets at once)."""
     met = None if target is None else (ratio <= target if at_most else ratio >= target)
     return {"benchmark": benchmark, "figure": figure, "measured": measured, "baseline": baseline, "ratio": ratio,
             "cpu_time_ratio": cpu_ratio, "target": None if target is None else f"{'<=' if at_most else '>='} {target}",
-            "met": met, "detail": detail}
+            "met": met, "detail": detail, "if_missed": if_missed}
+
+
+def verdict(row: dict) -> str:
+    """The target and whether the ratio met it, in words: "met: at most 0.5", "MISSED: above 0.5 (why)"."""
+    if row["target"] is None:
+        return "-"
+    at_most = row["target"].startswith("<=")
+    bound = row["target"].split()[-1]
+    if row["met"]:
+        return f"met: {'at most' if at_most else 'at least'} {bound}"
+    why = row.get("if_missed")
+    return f"MISSED: {'above' if at_most else 'below'} {bound}" + (f" ({why})" if why else "")
 
 
 def render_table(rows: list[dict], markdown: bool = False) -> str:
-    """The ratio rows as a text table (terminal) or a markdown one (README)."""
+    """The ratio rows as a markdown table (README), or for a terminal as a table of the figures that fit 160 columns,
+    each row's what-against-what on an indented line below it."""
+    import textwrap
+
     from my_utils.tools.compare import markdown_table, text_table
 
-    def verdict(r):
-        return "-" if r["target"] is None else f"{r['target']} {'met' if r['met'] else 'MISSED'}"
+    def cells(r):
+        return [r["benchmark"], f"{r['ratio']:.3f}", "-" if r["cpu_time_ratio"] is None else f"{r['cpu_time_ratio']:.3f}",
+                verdict(r)]
 
-    return (markdown_table if markdown else text_table)(
-        ["benchmark", "ratio", "CPU-time est.", "target", "measured", "baseline", "figure"],
-        [[r["benchmark"], f"{r['ratio']:.3f}", "-" if r["cpu_time_ratio"] is None else f"{r['cpu_time_ratio']:.3f}",
-          verdict(r), r["measured"], r["baseline"], r["figure"] + (f" ({r['detail']})" if r["detail"] else "")]
-         for r in rows])
+    def what(r):
+        return f"{r['measured']} against {r['baseline']}: {r['figure']}" + (f" ({r['detail']})" if r["detail"] else "")
+
+    header = ["benchmark", "ratio", "CPU-time est.", "target"]
+    if markdown:
+        return markdown_table([*header, "measured", "baseline", "figure"],
+                              [[*cells(r), r["measured"], r["baseline"],
+                                r["figure"] + (f" ({r['detail']})" if r["detail"] else "")] for r in rows])
+    lines = text_table(header, [cells(r) for r in rows]).splitlines()
+    out = lines[:2]
+    for line, r in zip(lines[2:], rows):
+        out += [line, *textwrap.wrap(what(r), 156, initial_indent="    ", subsequent_indent="      ")]
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -42,7 +42,9 @@ def run(s: Settings, folder: Path):
     rows = [
         ratio_row(NAME, "peak training memory", "LoRA r=8", "full fine-tuning", peak["lora"] / peak["full"],
                   target=TARGETS["lora_over_full_peak"], at_most=True,
-                  detail=f"{shape}, chunked loss, {steps['lora']['peak_what']}"),
+                  detail=f"{shape}, chunked loss, {steps['lora']['peak_what']}",
+                  if_missed="on a CPU the peak holds the allocator's slack beside the tensors; CUDA's peak allocated "
+                            "for the same steps is in python -m my_utils gpucheck"),
         ratio_row(NAME, "peak training memory", "LoRA r=8, plain loss", "full fine-tuning, plain loss",
                   peak["lora_plain"] / peak["full_plain"], detail=f"{shape}, the whole logits held"),
         *(ratio_row(NAME, "peak training memory", f"{method}, chunked loss", f"{method}, plain loss",

@@ -52,7 +52,9 @@ def run(s: Settings, folder: Path):
                       detail=f"useful/padded tokens {useful_fraction(found[name]):.2f} vs "
                              f"{useful_fraction(sft_runs):.2f}; stock {differs}"),
             ratio_row(NAME, "held-out loss after training", label, STOCK, held_out[name] / held_out["sft"],
-                      target=TARGETS["loss_over_stock"], at_most=True, detail=f"{s.steps} steps, 64 held-out rows"),
+                      target=TARGETS["loss_over_stock"], at_most=True, detail=f"{s.steps} steps, 64 held-out rows",
+                      if_missed="where length follows the task, as in the tiny data, batches of one length hold one "
+                                "task and the last steps decide the loss: why --group-by-length is off by default"),
         ]
     # The same random batches in the same order (both seed their sampler with the seed): the logged losses can be
     # compared window by window. Length-grouped batches cannot: each holds one length, so one kind of task.
