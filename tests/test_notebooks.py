@@ -64,8 +64,8 @@ def test_notebook_executes_and_its_claims_hold(notebook, tmp_path):
     execute_notebook(notebook, out, run_root=tmp_path / "runs", timeout=600,
                      then=[mutation_cell(closing, m) for m in mutations])
     executed = nbformat.read(out, as_version=4)
-    verdicts = [o.text.strip() for c in executed.cells[len(executed.cells) - len(mutations):] for o in c.outputs
-                if o.output_type == "stream" and "MUTATION" in o.text]
+    verdicts = [line.strip() for c in executed.cells[len(executed.cells) - len(mutations):] for o in c.outputs
+                if o.output_type == "stream" for line in o.text.splitlines() if "MUTATION" in line]
     assert verdicts == [f"MUTATION CAUGHT: {m}" for m in mutations], verdicts
     executed.cells = executed.cells[:len(executed.cells) - len(mutations)]
     unexplained = unexplained_warnings(executed)

@@ -167,8 +167,10 @@ def name_stopped_ranks(error: BaseException, world_size: int, timeout_s: float, 
 
     Every rank that is still alive reaches this point through the same failed collective and says so in the
     process group's store; the ranks that have not said so within ``grace_s`` seconds are the ones that died,
-    hung, or failed with an error of their own. Returns None for any other error.
-    """
+    hung, or failed with an error of their own. Returns None for any other error, and ``error`` itself when it is
+    already such a RankFailure (named where it was raised)."""
+    if isinstance(error, RankFailure):
+        return error
     if world_size < 2 or not _looks_like_a_failed_collective(error):
         return None
     import torch.distributed as dist

@@ -222,6 +222,28 @@ def check_gpu_only_launch() -> None:
                         "and options.")
 
 
+def join_restarted_group(timeout_s: float | None = None) -> None:
+    """In a worker that an elastic launcher restarted (``torchrun --max-restarts``), form the process group under
+    keys of this attempt alone; elsewhere do nothing. torchrun shares its rendezvous store with the workers and keeps
+    the previous attempt's keys in it, so a restarted worker may read a dead peer's address and fail to connect
+    ("Connection refused" in gloo's or NCCL's set-up, about half the time; pytorch#135712)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s) if timeout_s else dist.default_pg_timeout
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    backend = "gloo" if is_cpu_only() else "nccl"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"course/attempt_{attempt}", store), timeout=timeout,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def check_world_size(expected: int | None = None, timeout_s: float | None = None) -> int:
     """Inside a worker: the world size this process really belongs to, checked against what was asked.
 
@@ -238,6 +260,7 @@ def check_world_size(expected: int | None = None, timeout_s: float | None = None
     check_gpu_only_launch()  # before the process group: the first thing that would stop the launch
     if is_cpu_only():  # said, not guessed: DeepSpeed (which transformers' Trainer imports where it is installed)
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # would log a warning while finding out
+    join_restarted_group(timeout_s)  # accelerate then takes the group as it is
     state = PartialState(cpu=is_cpu_only(), **kwargs)
     expected = int(os.environ.get("WORLD_SIZE", "1")) if expected is None else expected
     if state.num_processes != expected:

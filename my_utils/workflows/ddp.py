@@ -88,8 +88,9 @@ def init_process_group() -> None:
     import torch.distributed as dist
 
     from my_utils.core.devices import cuda_available
-    from my_utils.run.launch import free_port
+    from my_utils.run.launch import free_port, join_restarted_group
 
+    join_restarted_group()
     if dist.is_initialized():
         return
     backend = "nccl" if cuda_available() else "gloo"  # gloo: the CPU backend

@@ -4,7 +4,8 @@ the same run (absolute times on a shared machine drift; a ratio of runs taken si
     python -m my_utils bench                   # every benchmark: about 10 minutes on 2 idle CPU cores (qlora's
                                                # full fine-tuning step of opt-350m needs about 7 GB of RAM)
     python -m my_utils bench overhead trainer  # some of them
-    python -m my_utils bench --quick           # a smoke run: a few steps, one repeat, the tiny model everywhere
+    python -m my_utils bench --quick           # a smoke run: a few steps, one repeat, the tiny model everywhere;
+                                               # still 6 to 7 minutes on 2 CPU cores (dozens of fresh processes)
     python -m my_utils bench --preset gpt2 --random-init   # a GPU: bf16 where native (the training benchmarks
                                                # read the preset's tokenizer and data: online, or cached)
 
@@ -100,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default all): {', '.join(BENCHMARKS)}")
     defaults = Settings()
-    p.add_argument("--quick", action="store_true", help="a smoke run: few steps, one repeat, the tiny model")
+    p.add_argument("--quick", action="store_true", help="a smoke run: few steps, one repeat, the tiny model (6 to 7 minutes on 2 CPU cores: each "
+                   "measured run is a fresh process, and their start-up is most of the time)")
     p.add_argument("--preset", default=defaults.preset,
                    help="model and data of the training benchmarks (memory and qlora build --memory-preset and "
                    "--qlora-preset)")
