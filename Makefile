@@ -28,7 +28,7 @@ demo: install
 	$(PY) -m my_utils demo
 
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadgroup  # two workers share the cores, each taking the next test as it is free
 
 # Jupyter refuses to start as root (in a container, say) unless told it is meant.
 lab: install

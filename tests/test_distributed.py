@@ -77,7 +77,7 @@ def test_two_machines_on_localhost(tmp_path, subprocess_env):
     from my_utils.core.devices import per_rank_device
     from my_utils.run.launch import free_port
 
-    port = free_port(0)
+    port = free_port()
     run_dir = tmp_path / "two_nodes"
     nodes = [
         subprocess.Popen([str(c) for c in [*_torchrun(1, "--nnodes", "2", "--node_rank", str(rank), "--master_addr",

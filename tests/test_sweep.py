@@ -59,6 +59,18 @@ def test_cells_are_the_grids_combinations_each_once():
     assert "--rslora" not in sweep.cell_command(spec, spec.cells()[5], sweep.Path("out")), "False: the default"
 
 
+def test_a_cell_that_runs_what_an_earlier_one_runs_is_that_cell():
+    from my_utils.workflows.lora import Config
+
+    default_seed = Config().seed
+    spec = sweep.SweepSpec(args={"max_steps": 5}, grids=[
+        {"rank": [16], "learning_rate": [0.002], "seed": [default_seed, default_seed + 1]},
+        {"rank": [16, 32], "learning_rate": [0.002]},  # rank 16: the first grid's default-seed cell
+    ])
+    names = [sweep.cell_name(c) for c in spec.cells()]
+    assert names == [f"seed{default_seed}_rank16_lr0.002", f"seed{default_seed + 1}_rank16_lr0.002", "rank32_lr0.002"]
+
+
 def test_every_adapter_field_is_sweepable_with_no_edit_in_the_sweep():
     """The sweep's options are the workflow's generated command line: AdapterSpec's fields come with it."""
     from dataclasses import fields

@@ -90,8 +90,10 @@ def preflight(num_processes: int) -> None:
         )
 
 
-def free_port(preferred: int = 29500) -> int:
-    """``preferred`` if nothing listens on it, else a free port chosen by the OS."""
+def free_port(preferred: int = 0) -> int:
+    """``preferred`` if nothing listens on it, else (and by default) a free port chosen by the OS: two launches
+    started side by side (a sweep's cells, the test suite's workers) would both find one fixed port free before
+    either binds it."""
     for port in (preferred, 0):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:

@@ -205,13 +205,18 @@ class SweepSpec:
 
     def cells(self) -> list[dict]:
         """Every grid's cells, in order, each once: the options that set a cell apart (in the workflow's order;
-        None and False, the workflow's defaults, left out)."""
+        None and False, the workflow's defaults, left out). A cell that runs what an earlier one runs (``seed`` 0
+        beside no seed: the workflow's default) is that cell, not a second run of it."""
         order = list(_options())
-        cells = {}
+        cells, runs = {}, set()
         for grid in self.grids:
             for values in itertools.product(*grid.values()):
                 cell = {k: v for k, v in sorted(zip(grid, values), key=lambda kv: order.index(kv[0]))
                         if v is not None and v is not False}
+                run = repr(_workflow_config({"preset": self.preset, **self.args, **cell}))
+                if run in runs:
+                    continue
+                runs.add(run)
                 if cells.setdefault(cell_name(cell), cell) != cell:
                     raise UserError(f"Two cells would share the folder {cell_name(cell)}; make their values differ "
                                     "in the first six digits.")
