@@ -366,6 +366,30 @@ def test_sigterm_under_accelerate_launch_stops_both_workers_with_a_checkpoint(tm
 
 
 @pytest.mark.slow
+def test_ctrl_c_stops_as_sigterm_does_with_a_checkpoint_the_reason_and_the_resume_line(tmp_path):
+    out = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "my_utils.workflows.lora", *map(str, ARGS), "--eval-rows", "6",
+           "--skip-generation-eval", "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, env=env_for(tmp_path, COURSE_STEP_DELAY_S=0.5), cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not [m for m in (load_run(out)["metrics"] if (out / "run.json").exists() else []) if "loss" in m]:
+        assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # what a terminal sends its foreground process on Ctrl-C
+    output = proc.communicate(timeout=120)[0]
+
+    assert proc.returncode == 130, output[-3000:]
+    info = run_info(out)
+    assert info["status"] == "interrupted" and "Ctrl-C" in info["error"] and "--resume" in info["error"], info
+    assert output.count("lora: interrupted (Ctrl-C") == 1 and "Traceback" not in output, output[-3000:]
+    assert not (out / "summary.json").exists()
+    checkpoint, skipped = find_resume_checkpoint(out / "checkpoints")
+    step = int(checkpoint.name.split("-")[1])
+    assert skipped == [] and 1 <= step < STEPS and max(s for s, _ in losses(out)) == step, "a checkpoint at the step"
+
+
+@pytest.mark.slow
 def test_auto_batch_size_backs_off_on_out_of_memory(tmp_path):
     # Batches above 5 rows raise torch.OutOfMemoryError: 8 -> 7 -> 6 -> 5 (accelerate takes 90% each time).
     # That other errors go straight through is checked by the 1-process crash above.
