@@ -119,30 +119,49 @@ def loss_curves(runs: list[dict], labels: dict[str, str], path: str | Path) -> P
     return save(loss_figure(runs, labels), path)
 
 
+ROWS_PER_COLUMN = 70  # bars one column of the memory figure holds; further runs go to a column beside it
+
+
 def memory_bars(runs: list[dict], labels: dict[str, str], path: str | Path) -> Path:
-    """Peak memory of every rank of every run: one row of bars per run, one bar per rank."""
+    """Peak memory of every rank of every run: one row of bars per run, one bar per rank. Past ``ROWS_PER_COLUMN``
+    rows the runs go on in a column beside ("k of n"), so that a comparison of many runs stays on a screen."""
     measured = [run for run in runs if run["summary"].get("memory")]
-    fig = new_figure(11, 1.2 + 0.3 * sum(len(run["summary"]["memory"]) for run in measured))
-    ax = fig.add_subplot()
-    measures, labelled, ticks, names, y = set(), set(), [], [], 0.0
+    columns, rows = [[]], 0
     for run in measured:
-        entries = run["summary"]["memory"]
-        for j, entry in enumerate(entries):
-            end = entry.get("end") or {}
-            measures.add("peak allocated (CUDA)" if end.get("peak_allocated") is not None else "peak RSS (CPU process)")
-            rank = entry.get("rank", j)
-            bars = ax.barh(y + j, peak_bytes(end) / MiB, 0.8, color=f"C{rank % 10}",
-                           label=None if rank in labelled else f"rank {rank}")
-            ax.bar_label(bars, fmt="%.0f", fontsize="x-small", padding=2)
-            labelled.add(rank)
-        ticks.append(y + (len(entries) - 1) / 2)
-        names.append(labels[run["path"]])
-        y += len(entries) + 0.6
-    ax.set_yticks(ticks, names, fontsize="small")
-    ax.set_ylim(y - 0.8, -0.6)  # the first run on top, as in the tables
-    ax.set(xlabel="MiB: " + ", ".join(sorted(measures)), title="peak memory per device")
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize="small", loc="lower right")
+        n = len(run["summary"]["memory"])
+        if columns[-1] and rows + n > ROWS_PER_COLUMN:
+            columns.append([])
+            rows = 0
+        columns[-1].append(run)
+        rows += n
+    tallest = max(sum(len(run["summary"]["memory"]) for run in column) for column in columns)
+    fig = new_figure(11 if len(columns) == 1 else 6.5 * len(columns), 1.2 + 0.3 * tallest)
+    axes = fig.subplots(1, len(columns), squeeze=False)[0]
+    measures, labelled = set(), set()
+    for k, (ax, column) in enumerate(zip(axes, columns), 1):
+        ticks, names, y = [], [], 0.0
+        for run in column:
+            entries = run["summary"]["memory"]
+            for j, entry in enumerate(entries):
+                end = entry.get("end") or {}
+                measures.add("peak allocated (CUDA)" if end.get("peak_allocated") is not None
+                             else "peak RSS (CPU process)")
+                rank = entry.get("rank", j)
+                bars = ax.barh(y + j, peak_bytes(end) / MiB, 0.8, color=f"C{rank % 10}",
+                               label=None if rank in labelled else f"rank {rank}")
+                ax.bar_label(bars, fmt="%.0f", fontsize="x-small", padding=2)
+                labelled.add(rank)
+            ticks.append(y + (len(entries) - 1) / 2)
+            names.append(labels[run["path"]])
+            y += len(entries) + 0.6
+        ax.set_yticks(ticks, names, fontsize="small")
+        ax.set_ylim(y - 0.8, -0.6)  # the first run on top, as in the tables
+        ax.set_title("peak memory per device" + (f" ({k} of {len(columns)})" if len(columns) > 1 else ""))
+        ax.grid(axis="x", alpha=0.3)
+    for ax in axes:
+        ax.set_xlabel("MiB: " + ", ".join(sorted(measures)))
+    if labelled:
+        axes[0].legend(fontsize="small", loc="lower right")
     return save(fig, path)
 
 
