@@ -75,6 +75,14 @@ def tail(proc) -> str:
     return proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def wait_for_training(out: Path, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+    """Until the run in ``out`` has logged a training loss (a signal sent then lands mid-training)."""
+    deadline = time.monotonic() + timeout_s
+    while not [m for m in (load_run(out)["metrics"] if (out / "run.json").exists() else []) if "loss" in m]:
+        assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+        time.sleep(0.2)
+
+
 def write_data(folder: Path, rows: int = 14) -> Path:
     """A copy of the first rows of the tiny data (of 14, a tenth, one row, is held out), in a folder named with
     spaces and non-ASCII letters."""
@@ -343,10 +351,7 @@ def test_sigterm_under_accelerate_launch_stops_both_workers_with_a_checkpoint(tm
     # slow steps leave time to send the signal mid-training, as a scheduler preempting the job would
     launcher = subprocess.Popen(cmd, env=env_for(tmp_path, COURSE_STEP_DELAY_S=0.5), cwd=REPO_ROOT,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    while not [m for m in (load_run(out)["metrics"] if (out / "run.json").exists() else []) if "loss" in m]:
-        assert launcher.poll() is None and time.monotonic() < deadline, "training never started"
-        time.sleep(0.2)
+    wait_for_training(out, launcher)
     launcher.send_signal(signal.SIGTERM)  # to the launcher, which forwards it to both workers
     output = launcher.communicate(timeout=120)[0]
     assert launcher.returncode != 0
@@ -372,10 +377,7 @@ def test_ctrl_c_stops_as_sigterm_does_with_a_checkpoint_the_reason_and_the_resum
            "--skip-generation-eval", "--output-dir", str(out)]
     proc = subprocess.Popen(cmd, env=env_for(tmp_path, COURSE_STEP_DELAY_S=0.5), cwd=REPO_ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    while not [m for m in (load_run(out)["metrics"] if (out / "run.json").exists() else []) if "loss" in m]:
-        assert proc.poll() is None and time.monotonic() < deadline, "training never started"
-        time.sleep(0.2)
+    wait_for_training(out, proc)
     proc.send_signal(signal.SIGINT)  # what a terminal sends its foreground process on Ctrl-C
     output = proc.communicate(timeout=120)[0]
 
