@@ -57,7 +57,11 @@ LESSONS = {
                     "DDP: same losses, memory per process measured against the formulas, communication per step; LoRA "
                     "on a sharded base, its adapter saved whole"),
     "10_classification": ("classification", "full vs LoRA on one device, with DDP and as a pipeline"),
-    "11_compare": ("compare runs", "tables and plots from results folders, the memory planner beside measurement"),
+    "11_traps": ("traps", "failures people hit in distributed fine-tuning, each sprung and cured: loss "
+                 "normalisation, checkpointing a frozen base, reentrant checkpointing under DDP, sharded adapter saves, "
+                 "an upcast frozen base, `device_map=\"auto\"` under DDP, `notebook_launcher` refusing, evaluating "
+                 "before training"),
+    "12_compare": ("compare runs", "tables and plots from results folders, the memory planner beside measurement"),
 }
 
 

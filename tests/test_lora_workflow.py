@@ -157,14 +157,19 @@ def test_auto_mixed_precision_is_bf16_only_where_faster(monkeypatch, cuda, cpu_f
 
 
 @pytest.mark.slow
-def test_two_processes_of_8_train_like_one_process_of_16(tmp_path, subprocess_env):
-    """DDP really averages the adapters' gradients: the same global batches give the same losses, step by step,
-    as one process (a run whose ranks trained apart would drift from the second step on)."""
+def test_two_processes_of_8_and_4_accumulation_steps_of_4_train_like_one_process_of_16(tmp_path, subprocess_env):
+    """The loss is normalised by the whole batch's tokens, across ranks and accumulation steps: on padded examples
+    of different lengths, 2 processes x 8, 1 x 16 and 4 accumulated micro-batches x 4 give the same losses, step by
+    step (averaging each part's mean loss would not: lesson 11), and DDP really averages the adapters' gradients (a
+    run whose ranks trained apart would drift from the second step on)."""
     common = ["--preset", "tiny", "--max-steps", "6", "--logging-steps", "1", "--eval-rows", "16",
               "--skip-generation-eval", "--mixed-precision", "no"]
-    one, two = tmp_path / "x1", tmp_path / "x2"
-    subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", *common, "--batch-size", "16",
-                    "--output-dir", str(one)], env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True)
+    one, two, accumulated = tmp_path / "x1", tmp_path / "x2", tmp_path / "accumulated"
+    single = [sys.executable, "-m", "my_utils.workflows.lora", *common]
+    subprocess.run([*single, "--batch-size", "16", "--output-dir", str(one)], env=subprocess_env, cwd=REPO_ROOT,
+                   check=True, capture_output=True)
+    subprocess.run([*single, "--batch-size", "4", "--grad-accum", "4", "--output-dir", str(accumulated)],
+                   env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True)
     cmd = accelerate_command("my_utils.workflows.lora", [*common, "--batch-size", "8", "--output-dir", two],
                              num_processes=2, config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
     subprocess.run(cmd, env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True)
@@ -173,7 +178,17 @@ def test_two_processes_of_8_train_like_one_process_of_16(tmp_path, subprocess_en
         return [m["loss"] for m in load_run(folder)["metrics"] if "loss" in m]
 
     assert load_run(two)["summary"]["world_size"] == 2 and len(losses(one)) == 6
-    assert losses(two) == pytest.approx(losses(one), rel=1e-4)
+    from my_utils.core.data import load_instructions, tokenize_instructions
+    from my_utils.core.models import load_tokenizer
+    from my_utils.core.presets import get_preset
+
+    examples = tokenize_instructions(load_instructions("tiny")[0], load_tokenizer(get_preset("tiny")), 128)
+    answer_lengths = {sum(label != -100 for label in e["labels"]) for e in examples}
+    assert len(answer_lengths) > 5, "answers of one length would prove nothing here"
+    for run in (two, accumulated):  # each step's loss is taken at the weights the steps before it left
+        assert losses(run) == pytest.approx(losses(one), rel=1e-4)
+    # the held-out loss, evaluated in the same batches of 16 rows (8 per rank); the accumulated run evaluates in
+    # batches of 4, and the Trainer's eval_loss is a mean of batch means, lesson 11's first trap
     assert load_run(two)["summary"]["eval_loss"] == pytest.approx(load_run(one)["summary"]["eval_loss"], rel=1e-4)
 
 

@@ -27,7 +27,12 @@ MUTATIONS = {
     "08_model_pipeline_parallel": ["pipes[4] = pipes[1]  # micro-batches that do not overlap the stages"],
     "09_sharding": ["results['zero3']['memory'][1] = results['ddp']['memory'][1]  # rank 1 holding DDP's memory"],
     "10_classification": ["runs['lora', 'pipeline']['accuracy_after'] = 0.5  # LoRA that does not learn"],
-    "11_compare": ["part_ratios.append(1.3)  # a part the planner misses by 30%"],
+    "11_traps": [
+        "gaps[4]['trap'] = gaps[4]['cure']  # averaging means that changes nothing",
+        "first['trap']['adapter_spread'] = 0.0  # ranks that stayed in step after evaluating first",
+        "saved['trap']['elements'] = saved['expected_elements']  # a naive save that wrote the whole adapter",
+    ],
+    "12_compare": ["part_ratios.append(1.3)  # a part the planner misses by 30%"],
 }
 
 

@@ -63,7 +63,7 @@ def test_every_stage_trains_like_ddp_and_holds_what_the_formula_says(sharded_run
 @pytest.mark.parametrize("args, message", [
     (["--strategies", "zero4"], "Unknown strategy 'zero4'; choose one of ddp, zero1, zero2, zero3, deepspeed_zero2"),
     (["--strategies"], "argument --strategies: expected at least one argument"),
-    ([], "Sharding needs 2 or more processes"),  # this test is one process
+    ([], "my_utils.workflows.sharding needs 2 or more processes"),  # this test is one process
     (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),
 ])
 def test_bad_settings_are_one_sentence_and_write_nothing(tmp_path, capsys, args, message):

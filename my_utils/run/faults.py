@@ -205,13 +205,15 @@ def name_stopped_ranks(error: BaseException, world_size: int, timeout_s: float, 
 
 
 def course_trainer_class():
-    """``transformers.Trainer`` with two fixes:
+    """``transformers.Trainer`` with two fixes and a guard:
 
     - evaluation sees every row: ``dataloader_drop_last`` keeps training batches whole (the same shapes on
       every rank), but applied to evaluation it drops the only batch of a small eval set (eval_loss None);
     - the order of length-grouped batches (``train_sampling_strategy="group_by_length"``) depends only on the
       seed and the epoch: the Trainer draws it from the global RNG when an epoch starts, a state that a run
-      resumed in the middle of a later epoch cannot recreate, so its batches, and losses, would differ.
+      resumed in the middle of a later epoch cannot recreate, so its batches, and losses, would differ;
+    - under several processes, training stops before its first step if the model reached it unwrapped (each rank
+      would train alone and exit 0): ``check_wrapped``.
     """
     import torch
     from transformers import Trainer
@@ -232,6 +234,10 @@ def course_trainer_class():
                 self.epoch_order.manual_seed(seed + kwargs["epoch"])
             return super()._run_epoch(**kwargs)
 
+        def training_step(self, model, *args, **kwargs):
+            check_wrapped(model, self.args.world_size)
+            return super().training_step(model, *args, **kwargs)
+
         def get_eval_dataloader(self, eval_dataset=None):
             drop_last, self.args.dataloader_drop_last = self.args.dataloader_drop_last, False
             try:
@@ -240,6 +246,21 @@ def course_trainer_class():
                 self.args.dataloader_drop_last = drop_last
 
     return CourseTrainer
+
+
+# What wraps a model that several processes train as one: DDP, FSDP (1), DeepSpeed; FSDP2 changes the class itself.
+DISTRIBUTED_WRAPPERS = ("DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
+
+
+def check_wrapped(model, world_size: int) -> None:
+    """Refuse to train ``model`` on ``world_size`` > 1 processes when nothing synchronises its gradients: no
+    data-parallel wrapper (``Trainer.evaluate()`` before ``train()`` leaves a model unwrapped under accelerate 1.x)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if world_size > 1 and type(model).__name__ not in DISTRIBUTED_WRAPPERS and not isinstance(model, FSDPModule):
+        raise UserError(f"The model reached training on {world_size} processes without a data-parallel wrapper "
+                        "(each process would train alone); call Trainer.evaluate() only after train(), or measure "
+                        "before training with my_utils.core.evaluation.held_out_loss.")
 
 
 def install_fake_oom(model) -> bool:

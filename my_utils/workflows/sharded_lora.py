@@ -160,7 +160,7 @@ def train(cfg: Config) -> dict:
     from my_utils.workflows.ddp_common import worker_report, write_worker_report
     from my_utils.workflows.sharding import rank_batches, start_worker
 
-    cfg, world_size, dataset, base = start_worker(cfg, preset, resolve)
+    cfg, world_size, dataset, base = start_worker(cfg, preset, resolve, "sharded_lora")
     check_lora_targets(base, cfg.adapter.targets, cfg.adapter.rank)  # before the results folder exists
     with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "sharded_lora" / f"{cfg.preset}_{cfg.stage}",
                        checkpoints=CHECKPOINTS, workflow="sharded_lora") as life:

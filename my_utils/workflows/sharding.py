@@ -87,12 +87,12 @@ def resolve(cfg: Config, preset, world_size: int) -> Config:
                    learning_rate=cfg.learning_rate or default_learning_rate(preset, "full"))
 
 
-def check_world(world_size: int) -> None:
+def check_world(world_size: int, workflow: str) -> None:
     from my_utils import UserError
 
     if world_size < 2:
-        raise UserError("Sharding needs 2 or more processes; launch with ACCELERATE_USE_CPU=1 torchrun "
-                        "--nproc_per_node 2 -m my_utils.workflows.sharding.")
+        raise UserError(f"my_utils.workflows.{workflow} needs 2 or more processes; launch with ACCELERATE_USE_CPU=1 "
+                        f"torchrun --nproc_per_node 2 -m my_utils.workflows.{workflow}.")
 
 
 def check_shardable(model, world_size: int) -> None:
@@ -288,9 +288,9 @@ def deepspeed_weight_bytes(engine, optimizer) -> dict[str, int]:
             "master": local_bytes(master)}
 
 
-def start_worker(cfg, preset, resolve_config):
-    """What both sharding workflows do in every worker before the results folder exists: join a world of 2 or
-    more processes, settle the defaults (``resolve_config(cfg, preset, world_size)``), read the packed blocks (at
+def start_worker(cfg, preset, resolve_config, workflow: str):
+    """What the multi-process workflows on packed blocks (``workflow``: sharding, sharded_lora, traps) do in every
+    worker before the results folder exists: join a world of 2 or more processes, settle the defaults (``resolve_config(cfg, preset, world_size)``), read the packed blocks (at
     least one global batch) and build the model from the seed, the same weights on every rank. Returns (the resolved
     config, the world size, the blocks, the model)."""
     import torch
@@ -300,7 +300,7 @@ def start_worker(cfg, preset, resolve_config):
     from my_utils.workflows.ddp_common import block_dataset, build_model
 
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
-    check_world(world_size)
+    check_world(world_size, workflow)
     cfg = resolve_config(cfg, preset, world_size)
     dataset = block_dataset(preset, cfg.max_length)
     check_enough_rows(len(dataset), cfg.batch_size * world_size)
@@ -371,7 +371,7 @@ def train(cfg: Config) -> dict:
     from my_utils.run.lifecycle import run_lifecycle
     from my_utils.workflows.ddp_common import worker_report, write_worker_report
 
-    cfg, world_size, dataset, base = start_worker(cfg, preset, resolve)  # every strategy starts from a copy of base
+    cfg, world_size, dataset, base = start_worker(cfg, preset, resolve, "sharding")  # every strategy starts from a copy of base
     check_shardable(base, world_size)
     with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "sharding" / f"{cfg.preset}_x{world_size}",
                        workflow="sharding") as life:

@@ -1,0 +1,289 @@
+"""Traps of distributed fine-tuning that need several processes, each sprung and then cured on the same batches.
+
+- ``reentrant_ddp``: LoRA under DDP with reentrant activation checkpointing and ``find_unused_parameters=True``
+  stops in backward with "Expected to mark a variable ready only once" (peft #313, trl #4782). Cured by
+  non-reentrant checkpointing.
+- ``evaluate_first``: ``Trainer.evaluate()`` before ``Trainer.train()`` leaves the model unwrapped; every rank then
+  trains alone and the run ends with exit code 0, its ranks' adapters apart. Cured by evaluating without the
+  Trainer before training (``my_utils.core.evaluation.held_out_loss``).
+- ``sharded_save``: LoRA on an FSDP2 base (ZeRO-3), saved the way an unsharded model is: rank 0 writes its own
+  shard of each adapter tensor, and a reload gives other outputs (accelerate PR #4206; under DeepSpeed's ZeRO-3 the
+  same save writes empty tensors: DeepSpeed #4295, peft #2892). Cured by gathering the adapter whole first
+  (``my_utils.workflows.sharded_lora.save_whole``).
+- ``frozen_upcast``: a bfloat16 base with LoRA, cast to float32 whole before ``fully_shard`` (as accelerate's FSDP2
+  preparation did under mixed precision, accelerate #3844): each rank stores its frozen shards at twice the bytes.
+  Cured by keeping the frozen weights in bfloat16 and only the trainable ones in float32.
+
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.traps --preset tiny
+
+Each trap records what the trap gave and what the cure gave (summary.json); lesson 11 (traps) reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.results import RUNS_ROOT
+
+TRAPS = ("reentrant_ddp", "evaluate_first", "sharded_save", "frozen_upcast")
+
+
+@dataclass
+class Config(RunSettings):
+    traps: tuple[str, ...] = setting(TRAPS, "which traps to spring and cure, in order: " + ", ".join(TRAPS),
+                                     choices=TRAPS)
+    batch_size: int = setting(4, "blocks per process per step")
+    max_steps: int = setting(3, "optimizer steps per trap and per cure")
+    max_length: int = setting(64, "tokens per packed block")
+    learning_rate: float | None = setting(None, "default: the preset's LoRA rate")
+
+
+def validate(cfg: Config):
+    from my_utils import UserError
+    from my_utils.run.config import check_choice, check_positive
+
+    preset = cfg.check_common()
+    preset.require("causal")
+    for name in ("batch_size", "max_steps", "max_length"):
+        check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
+    if cfg.learning_rate is not None:
+        check_positive("--learning-rate", cfg.learning_rate, float)
+    if not cfg.traps:
+        raise UserError("--traps names none; give one or more of " + ", ".join(TRAPS) + ".")
+    for trap in cfg.traps:
+        check_choice("trap", trap, TRAPS)
+    return preset
+
+
+def resolve(cfg: Config, preset, world_size: int) -> Config:
+    from my_utils.core.learning_rate import default_learning_rate
+
+    return replace(cfg, traps=tuple(cfg.traps), num_processes=world_size,
+                   learning_rate=cfg.learning_rate or default_learning_rate(preset, "lora"))
+
+
+def lora_copy(base, preset):
+    """A fresh LoRA model on a copy of ``base`` (the same initial adapter on every rank: the seed is reset)."""
+    import copy
+
+    import torch
+
+    from my_utils.core.adapters import AdapterSpec
+    from my_utils.core.models import add_lora
+
+    torch.manual_seed(0)
+    return add_lora(copy.deepcopy(base), AdapterSpec().resolved(preset.lora_targets))
+
+
+def adapter_spread(model) -> float:
+    """The largest difference, over every adapter element, between the ranks' copies (0: they agree)."""
+    import torch
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().flatten() for n, p in model.named_parameters() if "lora_" in n])
+    high, low = flat.clone(), flat.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return (high - low).abs().max().item()
+
+
+def train_steps(model, optimizer, batches, steps: int, **forward) -> list[float]:
+    """``steps`` plain optimizer steps; this rank's losses."""
+    losses = []
+    for _ in range(steps):
+        loss = model(**next(batches), **forward).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def checkpointed_ddp(model, reentrant: bool):
+    """``model``'s blocks under activation checkpointing (reentrant or not), then DDP searching for unused
+    parameters, as a Trainer with ``gradient_checkpointing`` and ``ddp_find_unused_parameters=True`` does."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                             apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+    from torch.nn.parallel import DistributedDataParallel
+
+    block = type(model.base_model.model.transformer.h[0])
+    # region: the reentrant trap
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+                                   check_fn=lambda module: isinstance(module, block))
+    model.enable_input_require_grads()  # reentrant checkpointing needs inputs that require grad (lesson 11's second trap)
+    return DistributedDataParallel(model, find_unused_parameters=True)
+    # endregion
+
+
+def reentrant_ddp(base, preset, cfg: Config, batches) -> dict:
+    """Reentrant checkpointing under DDP stops in backward; non-reentrant trains, the ranks in step."""
+    import torch
+
+    outcome = {}
+    for name, reentrant in (("trap", True), ("cure", False)):
+        model = checkpointed_ddp(lora_copy(base, preset), reentrant)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
+        try:
+            losses = train_steps(model, optimizer, batches(), cfg.max_steps, use_cache=False)
+            outcome[name] = {"error": None, "losses": losses, "adapter_spread": adapter_spread(model.module)}
+        except RuntimeError as error:  # every rank fails at the same point of the same step
+            outcome[name] = {"error": str(error).split(". ")[0] + ".", "losses": None, "adapter_spread": None}
+    return outcome
+
+
+def evaluate_first(base, preset, cfg: Config, dataset, folder) -> dict:
+    """``Trainer.evaluate()`` before ``train()``: DDP never wraps the model and the ranks' adapters part. The
+    course's Trainer (``course_trainer_class``) stops such a run before its first step."""
+    from transformers import Trainer, TrainingArguments
+
+    from my_utils import UserError
+    from my_utils.run.faults import course_trainer_class
+
+    outcome = {}
+    for name, trainer_class, evaluate_before in (("trap", Trainer, True), ("cure", Trainer, False),
+                                                 ("guarded", course_trainer_class(), True)):
+        model = lora_copy(base, preset)
+        args = TrainingArguments(output_dir=str(folder / f"trainer_{name}"), per_device_train_batch_size=cfg.batch_size,
+                                 per_device_eval_batch_size=cfg.batch_size, max_steps=cfg.max_steps,
+                                 learning_rate=cfg.learning_rate, report_to="none", save_strategy="no", use_cpu=True,
+                                 seed=cfg.seed, ddp_find_unused_parameters=False, disable_tqdm=True)
+        trainer = trainer_class(model=model, args=args, train_dataset=dataset, eval_dataset=dataset[:8])
+        try:
+            # region: evaluating first
+            if evaluate_before:
+                trainer.evaluate()
+            trainer.train()
+            # endregion
+            outcome[name] = {"wrapped": type(trainer.model_wrapped).__name__, "adapter_spread": adapter_spread(model),
+                             "error": None}
+        except UserError as error:  # every rank stops at its first step
+            outcome[name] = {"wrapped": None, "adapter_spread": None, "error": str(error)}
+    return outcome
+
+
+def sharded_save(base, preset, cfg: Config, dataset, batches, folder) -> dict:
+    """LoRA on a ZeRO-3 base (FSDP2), saved naively by rank 0 and saved whole; each reloaded into an unsharded
+    model, whose outputs must be the trained sharded model's."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import fully_shard
+
+    from my_utils.workflows.sharded_lora import probe_logits, save_whole
+
+    model = lora_copy(base, preset)
+    for block in model.base_model.model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
+    train_steps(model, optimizer, batches(), cfg.max_steps)
+    trained = torch.tensor(probe_logits(model, dataset))
+    # region: saving a sharded adapter
+    if dist.get_rank() == 0:  # the trap: rank 0 writes the adapter as it holds it, its own shard of each tensor
+        naive = {k: v.to_local().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        model.save_pretrained(folder / "naive_adapter", state_dict=naive, safe_serialization=True)
+    save_whole(model, None, folder / "whole")  # the cure: every rank joins the gathering, rank 0 writes
+    # endregion
+    outcome = {}
+    if dist.get_rank() == 0:
+        for name, path in (("trap", folder / "naive_adapter"), ("cure", folder / "whole" / "adapter")):
+            saved = load_file(path / "adapter_model.safetensors")
+            entry = {"bytes": (path / "adapter_model.safetensors").stat().st_size,
+                     "elements": sum(v.numel() for v in saved.values()), "error": None, "logit_gap": None}
+            try:
+                reloaded = PeftModel.from_pretrained(copy.deepcopy(base), path)
+                logits = torch.tensor(probe_logits(reloaded, dataset))
+                entry["logit_gap"] = (logits - trained).abs().max().item()
+            except RuntimeError as error:  # torch's "size mismatch" on loading a shard into the whole tensor
+                entry["error"] = str(error).strip().splitlines()[-1].strip()
+            outcome[name] = entry
+        outcome["expected_elements"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return outcome
+
+
+def frozen_upcast(base, preset) -> dict:
+    """The bytes each rank stores for the frozen and the trainable weights of a sharded bfloat16 base with LoRA,
+    cast to float32 whole (the trap) or not (the cure: peft keeps the adapters in float32 already)."""
+    import copy
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from my_utils.workflows.sharding import local_bytes
+
+    outcome = {}
+    for name in ("trap", "cure"):
+        model = lora_copy(copy.deepcopy(base).to(torch.bfloat16), preset)  # as loaded with dtype=torch.bfloat16
+        # region: the upcast trap
+        if name == "trap":
+            model.to(torch.float32)  # every weight, frozen or not, for mixed precision's float32 master copy
+        for block in model.base_model.model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        # endregion
+        outcome[name] = {kind: local_bytes(p for p in model.parameters() if p.requires_grad == trainable)
+                         for kind, trainable in (("frozen_bytes", False), ("trainable_bytes", True))}
+    return outcome
+
+
+def train(cfg: Config) -> dict:
+    """Spring and cure each trap in ``cfg.traps``; returns the summary (on every rank; rank 0 also writes it)."""
+    preset = validate(cfg)
+    from my_utils.core.printing import print0
+    from my_utils.run.lifecycle import run_lifecycle
+    from my_utils.workflows.ddp_common import worker_report, write_worker_report
+    from my_utils.workflows.sharding import rank_batches, start_worker
+
+    cfg, world_size, dataset, base = start_worker(cfg, preset, resolve, "traps")
+    with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "traps" / f"{cfg.preset}_x{world_size}",
+                       workflow="traps") as life:
+        write_worker_report(life.folder, worker_report(base))
+        results = {}
+
+        def batches():  # the same batches for the trap and for its cure
+            return rank_batches(dataset, cfg, world_size)
+
+        for trap in cfg.traps:
+            if trap == "reentrant_ddp":
+                results[trap] = reentrant_ddp(base, preset, cfg, batches)
+            elif trap == "frozen_upcast":
+                results[trap] = frozen_upcast(base, preset)
+            elif trap == "evaluate_first":
+                results[trap] = evaluate_first(base, preset, cfg, dataset, life.folder)
+            else:
+                results[trap] = sharded_save(base, preset, cfg, dataset, batches, life.folder)
+            print0(f"{trap}: trap {results[trap].get('trap')}\n{' ' * len(trap)}  cure {results[trap].get('cure')}")
+        summary = {"workflow": "traps", "preset": cfg.preset, "world_size": world_size, "steps": cfg.max_steps,
+                   "traps": results} if life.is_main else None
+        life.finish(summary)
+    return life.summary
+
+
+DESCRIPTION = ("Traps of distributed fine-tuning that need several processes (reentrant checkpointing under DDP, "
+               "evaluating before training, saving a sharded adapter), each sprung and cured. Needs 2+ processes: "
+               "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.traps. Writes a results "
+               "folder and prints what each trap and cure gave.")
+
+
+def parse_args(argv=None) -> Config:
+    return parse_config(Config, argv, prog="python -m my_utils.workflows.traps", description=DESCRIPTION)
+
+
+def main(argv=None) -> dict:
+    from my_utils.run.cli import run_main
+
+    return run_main(lambda: train(parse_args(argv)), prefix="traps")
+
+
+if __name__ == "__main__":
+    from my_utils.run.cli import run_as_script
+
+    run_as_script(main)

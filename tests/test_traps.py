@@ -1,0 +1,64 @@
+"""The traps that need several processes spring and are cured on 2 CPU processes (each worker sees a world of 2),
+the course's Trainer refuses an unwrapped model under several processes, and bad settings are one sentence."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from my_utils.workflows import traps
+
+
+@pytest.mark.slow
+def test_every_trap_springs_and_every_cure_holds(tmp_path):
+    from my_utils.run.launch import REPO_ROOT
+
+    out = tmp_path / "traps"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "my_utils.workflows.traps", "--preset", "tiny", "--output-dir", out]
+    proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    workers = [json.loads(p.read_text()) for p in sorted((out / "workers").glob("rank_*.json"))]
+    assert [w["world_size"] for w in workers] == [2, 2]
+    result = json.loads((out / "summary.json").read_text())["traps"]
+    assert list(result) == list(traps.TRAPS)
+    reentrant, first, saved, upcast = (result[name] for name in traps.TRAPS)
+    assert reentrant["trap"]["error"] == "Expected to mark a variable ready only once."
+    assert reentrant["cure"]["error"] is None and reentrant["cure"]["adapter_spread"] == 0
+    assert first["trap"]["wrapped"] == "PeftModelForCausalLM" and first["trap"]["adapter_spread"] > 1e-4
+    assert first["cure"]["wrapped"] == "DistributedDataParallel" and first["cure"]["adapter_spread"] == 0
+    assert "without a data-parallel wrapper" in first["guarded"]["error"]
+    assert 2 * saved["trap"]["elements"] == saved["cure"]["elements"] == saved["expected_elements"]
+    assert "size mismatch" in saved["trap"]["error"] and saved["cure"]["logit_gap"] < 1e-4
+    assert upcast["trap"]["frozen_bytes"] == 2 * upcast["cure"]["frozen_bytes"] > 0
+
+
+def test_an_unwrapped_model_under_several_processes_is_refused():
+    import torch
+
+    from my_utils import UserError
+    from my_utils.run.faults import check_wrapped
+
+    model = torch.nn.Linear(2, 2)
+    check_wrapped(model, 1)  # one process: nothing to synchronise
+    with pytest.raises(UserError, match="on 2 processes without a data-parallel wrapper"):
+        check_wrapped(model, 2)
+    wrapped = type("DistributedDataParallel", (torch.nn.Module,), {})()  # the wrapper is recognised by its class
+    check_wrapped(wrapped, 2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--traps", "oom"], "Unknown trap 'oom'; choose one of reentrant_ddp, evaluate_first, sharded_save"),
+    (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),
+    ([], "my_utils.workflows.traps needs 2 or more processes"),  # this test is one process
+])
+def test_bad_settings_are_one_sentence_and_write_nothing(tmp_path, capsys, args, message):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        traps.main([*args, "--output-dir", str(out)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+    assert not out.exists()
