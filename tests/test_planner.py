@@ -392,7 +392,7 @@ def test_plan_matches_a_measured_tiny_run_part_by_part(name, baselines, tmp_path
     libraries, measured in a fresh process that imported them): RSS also holds temporaries and allocator slack."""
     from my_utils.core.memory import format_bytes, peak_bytes
     from my_utils.run.launch import accelerate_command
-    from my_utils.tools.compare import text_table
+    from my_utils.core.tables import text_table
 
     extra, processes = MEASURED_RUNS[name]
     out = tmp_path / "run"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from my_utils import UserError
 from my_utils.core.memory import format_bytes, peak_bytes
+from my_utils.core.tables import TERMINAL_WIDTH, markdown_table, text_table
 from my_utils.run.results import check_outside_runs, find_run_dirs, load_run
 
 # Configuration keys that do not make two runs different experiments: the process count is what a speedup
@@ -35,7 +36,6 @@ NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir", "resume", "timeo
 TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
 VERSIONS_MARK = "†"
 COMMIT_MARK = "‡"
-TERMINAL_WIDTH = 160  # the text tables fit it: the run column is shortened in the middle when they would not
 
 
 @dataclass
@@ -83,9 +83,11 @@ def malformed(run: dict) -> str | None:
         value = summary.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             return f"summary.json's {key} is {type(value).__name__}, not a number"
-    for entry in summary.get("memory") or ():
-        if not isinstance(entry, dict) or not all(isinstance(entry.get(k, {}), dict) for k in ("end", "breakdown")):
-            return "summary.json's memory is not a list of per-rank records"
+    memory = summary.get("memory")
+    if memory is not None and (not isinstance(memory, list) or not all(
+            isinstance(entry, dict) and all(isinstance(entry.get(k, {}), dict) for k in ("end", "breakdown"))
+            for entry in memory)):
+        return "summary.json's memory is not a list of per-rank records"
     return None
 
 
@@ -369,31 +371,6 @@ def compare(*paths, root: Path | str | None = None) -> Comparison:
 
 
 # ---------------------------------------------------------------------------------------------- rendering
-
-
-def text_table(header: list[str], rows: list[list[str]], width: int = TERMINAL_WIDTH) -> str:
-    """Aligned columns, at most ``width`` characters a line: a first column (the run) too long for that is
-    shortened in the middle, keeping both ends of each name."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    room = width - (sum(widths[1:]) + 2 * (len(widths) - 1))
-    if widths[0] > room:
-        widths[0] = max(room, len(header[0]), 12)
-        rows = [[_shorten(r[0], widths[0]), *r[1:]] for r in rows]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
-
-
-def _shorten(text: str, width: int) -> str:
-    if len(text) <= width:
-        return text
-    head = (width - 1) // 2
-    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    escape = lambda c: c.replace("|", "\\|")  # noqa: E731
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                      *("| " + " | ".join(map(escape, r)) + " |" for r in rows)])
 
 
 def render(comparison: Comparison, markdown: bool = False, images: dict[str, str] | None = None) -> str:

@@ -130,7 +130,7 @@ def environment(config_file: str | Path | None = None) -> dict:
 
 def render(env: dict) -> str:
     from my_utils.core.memory import format_bytes
-    from my_utils.tools.compare import text_table
+    from my_utils.core.tables import text_table
 
     devices = [[d["kind"] if d["index"] is None else f"{d['kind']}:{d['index']}", d["name"], str(d["cores"] or "-"),
                 format_bytes(d["total_memory"])] for d in env["devices"]]

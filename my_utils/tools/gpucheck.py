@@ -350,7 +350,7 @@ def report(parts: dict, found: list[dict], markdown: bool = False) -> str:
     """The check as tables (the terminal's, or markdown for the README): the commands (terminal only), the series,
     one step's tensors against the planner, QLoRA's weights, MFU, and the checks."""
     from my_utils.core.memory import format_bytes
-    from my_utils.tools.compare import markdown_table, text_table
+    from my_utils.core.tables import markdown_table, text_table
 
     table = markdown_table if markdown else text_table
     lines = []

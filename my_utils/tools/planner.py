@@ -731,7 +731,7 @@ def fits_table(processes: int = 8) -> str:
     ``processes`` GPUs, the largest batch per GPU that each of ``FITS_CARDS`` holds at the preset's sequence length
     (the planned peak, CUDA context included)."""
     from my_utils.core.presets import get_preset
-    from my_utils.tools.compare import markdown_table
+    from my_utils.core.tables import markdown_table
 
     rows = []
     for preset in FITS_PRESETS:
@@ -819,7 +819,7 @@ def device_memory(name: str) -> tuple[str, float]:
 
 
 def render(p: Plan, limit: float | None = None, limit_name: str = "") -> str:
-    from my_utils.tools.compare import text_table
+    from my_utils.core.tables import text_table
 
     rows = [[part, format_bytes(size), how] for part, size, how in p.parts()]
     rows.append(["peak per process", format_bytes(p.peak), (f"x {p.processes} process(es), one per device"

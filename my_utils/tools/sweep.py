@@ -547,7 +547,7 @@ def _number(value, fmt: str) -> str:
 def sweep_table(rows: list[dict]) -> str:
     """Every cell's figures, one line per cell (the folder's name says the cell)."""
     from my_utils.core.memory import format_bytes
-    from my_utils.tools.compare import text_table
+    from my_utils.core.tables import text_table
 
     header = ["cell", "scale", "trainable", "adapter", "peak memory", "runtime", "held-out loss", "final train loss",
               "exact match"]
@@ -667,7 +667,7 @@ def scaling_lines(rows: list[dict], rules: dict) -> dict[str, list[dict]]:
 
 def scaling_table(lines: dict[str, list[dict]]) -> str:
     """Held-out loss (and the update's scale) at every rank, one column per scaling rule."""
-    from my_utils.tools.compare import text_table
+    from my_utils.core.tables import text_table
 
     ranks = sorted({r["rank"] for line in lines.values() for r in line})
     table = []
@@ -743,7 +743,7 @@ def best_rate(curve: list[dict]) -> tuple[float, dict, bool]:
 
 def learning_rate_table(curves: dict[str, list[dict]]) -> str:
     """Held-out loss at every rate tried (the lowest of each line starred) and the interpolated best rate."""
-    from my_utils.tools.compare import text_table
+    from my_utils.core.tables import text_table
 
     rates = sorted({r["learning_rate"] for curve in curves.values() for r in curve})
     table = []

@@ -47,7 +47,7 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def classification_table(*paths, markdown: bool = False) -> str:
     """The table, as text or markdown, of every complete classification run under ``paths``."""
-    from my_utils.tools.compare import markdown_table, text_table
+    from my_utils.core.tables import markdown_table, text_table
 
     runs = classification_runs(*paths)
     if not runs:

@@ -246,7 +246,7 @@ def render_table(rows: list[dict], markdown: bool = False) -> str:
     each row's what-against-what on an indented line below it."""
     import textwrap
 
-    from my_utils.tools.compare import markdown_table, text_table
+    from my_utils.core.tables import markdown_table, text_table
 
     def cells(r):
         return [r["benchmark"], f"{r['ratio']:.3f}", "-" if r["cpu_time_ratio"] is None else f"{r['cpu_time_ratio']:.3f}",

@@ -217,7 +217,7 @@ def _with_ratios(results: dict, started: float) -> dict:
 def report(r: dict) -> str:
     """The figures as tables: the weights (measured, predicted, against bf16), one AdamW step's state, the targets."""
     from my_utils.core.memory import format_bytes
-    from my_utils.tools.compare import text_table
+    from my_utils.core.tables import text_table
 
     weights = [[name, format_bytes(r[key]), format_bytes(r.get(f"{key}_predicted")) if r.get(f"{key}_predicted") else "-",
                 f"{r[key] / r['weights_bf16']:.3f}"]
