@@ -43,3 +43,34 @@ def test_layers_import_only_downwards():
                          else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
                 for name in names:
                     assert not name.startswith(forbidden), f"{layer}/{path.name} imports {name}, a layer above it"
+
+
+def test_no_import_cycle_inside_a_layer():
+    """Within core, run, workflows and tools, no module imports (at the top or inside a function) a module that
+    leads back to it: each layer reads in one direction too."""
+    import ast
+    from pathlib import Path
+
+    root = Path(my_utils.__file__).parent
+    for layer in ("core", "run", "workflows", "tools"):
+        prefix = f"my_utils.{layer}."
+        imports = {}
+        for path in (root / layer).rglob("*.py"):
+            names = set()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(prefix):
+                    names.add(node.module)
+                elif isinstance(node, ast.Import):
+                    names |= {a.name for a in node.names if a.name.startswith(prefix)}
+            module = prefix + ".".join(path.relative_to(root / layer).with_suffix("").parts)
+            imports[module.removesuffix(".__init__")] = names - {module}
+
+        def reaches(start, seen):  # every module reachable from start
+            for name in imports.get(start, ()):
+                if name not in seen:
+                    seen.add(name)
+                    reaches(name, seen)
+            return seen
+
+        cycles = [m for m in imports if m in reaches(m, set())]
+        assert not cycles, f"{layer}: these modules import their way back to themselves: {sorted(cycles)}"

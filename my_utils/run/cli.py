@@ -9,6 +9,7 @@ import sys
 from my_utils import JobFailed, NothingToDo, UserError
 from my_utils.run.faults import RankFailure, first_to_say
 from my_utils.run.results import redact_secrets
+from my_utils.run.signals import end_process_group
 
 
 def format_summary(summary: dict) -> str:
@@ -47,18 +48,6 @@ def run_main(body, prefix: str = "my_utils"):
     if isinstance(summary, dict):
         print0(format_summary(summary))
     return summary
-
-
-def end_process_group() -> None:
-    """Destroy this process's process group, if it has one, after a successful run.
-
-    torch asks every process to do this before it exits, so that pending communication finishes and the group's
-    resources are released in order. (A worker also skips C++ teardown: ``run_as_script``.) Not called after an
-    error: the other ranks may still be inside a collective.
-    """
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def run_as_script(main) -> None:

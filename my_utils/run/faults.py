@@ -29,7 +29,7 @@ from pathlib import Path
 
 from my_utils import UserError
 from my_utils.run.checkpoints import CHECKPOINT_PREFIX, write_checkpoint_manifest
-from my_utils.run.lifecycle import _Sigterm
+from my_utils.run.signals import Sigterm
 
 CRASH_AT_STEP = "COURSE_CRASH_AT_STEP"
 CRASH_RANK = "COURSE_CRASH_RANK"
@@ -323,27 +323,27 @@ def reliability_callbacks(world_size: int = 1) -> dict:
         stopped = False
 
         def on_train_begin(self, args, trainer_state, control, **kwargs):
-            _Sigterm.deferrable = True
-            if _Sigterm.requested:  # it came before training started: stop at once
-                raise KeyboardInterrupt(_Sigterm.name)
+            Sigterm.deferrable = True
+            if Sigterm.requested:  # it came before training started: stop at once
+                raise KeyboardInterrupt(Sigterm.name)
 
         def on_step_end(self, args, trainer_state, control, **kwargs):
-            requested = _Sigterm.requested
+            requested = Sigterm.requested
             if world_size > 1:  # stop together: a rank that got the signal a step later must not be left alone
                 flag = torch.tensor([int(requested)], device=state.device)
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
                 requested = bool(flag.item())
             if requested:
-                _Sigterm.requested = True
+                Sigterm.requested = True
                 self.stopped = True
                 control.should_save = True
                 control.should_training_stop = True
             return control
 
         def on_train_end(self, args, trainer_state, control, **kwargs):
-            _Sigterm.deferrable = False
-            if _Sigterm.requested and not self.stopped:  # it came after the last step: no step left to stop at
-                raise KeyboardInterrupt(_Sigterm.name)
+            Sigterm.deferrable = False
+            if Sigterm.requested and not self.stopped:  # it came after the last step: no step left to stop at
+                raise KeyboardInterrupt(Sigterm.name)
 
     class InjectFaults(TrainerCallback):
         def on_step_end(self, args, trainer_state, control, **kwargs):

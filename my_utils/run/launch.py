@@ -115,7 +115,7 @@ def _then_end_process_group(function):
 
     @functools.wraps(function)  # notebook_launcher reads the function's name
     def worker(*args):
-        from my_utils.run.cli import end_process_group
+        from my_utils.run.signals import end_process_group
 
         result = function(*args)
         end_process_group()

@@ -22,6 +22,7 @@ from my_utils import NothingToDo, UserError
 from my_utils.run.checkpoints import checkpoint_step, find_resume_checkpoint, set_aside_incomplete
 from my_utils.run.results import (Run, check_new_run_dir, hold_folder, now, owner_alive, read_json, redact_secrets,
                                   unique_dir)
+from my_utils.run.signals import Sigterm, on_sigterm
 
 
 def _agree(state, outcome: list) -> list:
@@ -174,28 +175,6 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
 # ---------------------------------------------------------------------------------------------- signals
 
 
-class _Sigterm:
-    """What the handler ``recorded`` installs for SIGTERM and Ctrl-C (SIGINT) does: interrupt at once, or, while a
-    Trainer can stop cleanly (``StopOnSigterm`` is active), ask it to stop after the current step. ``name`` says
-    which asked first."""
-
-    deferrable = False
-    requested = False
-    name = "SIGTERM"
-
-
-def _on_sigterm(signum, frame):
-    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-    if _Sigterm.deferrable and not _Sigterm.requested:
-        _Sigterm.requested, _Sigterm.name = True, name
-        print(f"{name}: stopping after this step and saving a checkpoint ({'press it' if name == 'Ctrl-C' else 'send it'}"
-              " again to stop at once)", file=sys.stderr, flush=True)
-        return
-    if _Sigterm.deferrable and name != _Sigterm.name:  # a launcher passing Ctrl-C on as SIGTERM: not a second ask
-        return
-    raise KeyboardInterrupt(name)
-
-
 @contextmanager
 def recorded(run: Run | None):
     """Mark ``run`` failed (exception) or interrupted (Ctrl-C, SIGTERM) if the body does not finish.
@@ -206,10 +185,10 @@ def recorded(run: Run | None):
     """
     signals = (signal.SIGTERM, signal.SIGINT)
     previous = {s: signal.getsignal(s) for s in signals}
-    _Sigterm.requested, _Sigterm.name = False, "SIGTERM"
+    Sigterm.requested, Sigterm.name = False, "SIGTERM"
     try:
         for s in signals:
-            signal.signal(s, _on_sigterm)
+            signal.signal(s, on_sigterm)
     except ValueError:  # not the main thread (e.g. some notebook launch paths): keep the defaults
         previous = {}
     try:
@@ -223,7 +202,7 @@ def recorded(run: Run | None):
             run.fail(redact_secrets(f"{type(e).__name__}: {e}"))  # an error may quote a URL or setting
         raise
     finally:
-        _Sigterm.deferrable = False
+        Sigterm.deferrable = False
         for s, handler in previous.items():
             signal.signal(s, handler)
 

@@ -382,10 +382,10 @@ def _fit(trainer, checkpoint, stop, world_size: int, timeout_s: float):
     finally:
         gc.unfreeze()
     if stop.stopped:
-        from my_utils.run.lifecycle import _Sigterm
+        from my_utils.run.signals import Sigterm
 
         step = trainer.state.global_step
-        raise KeyboardInterrupt(f"{_Sigterm.name}; stopped after step {step} with {CHECKPOINTS}/checkpoint-{step}: "
+        raise KeyboardInterrupt(f"{Sigterm.name}; stopped after step {step} with {CHECKPOINTS}/checkpoint-{step}: "
                                 "the same command with --resume continues")
     return result, time.perf_counter() - started
 
