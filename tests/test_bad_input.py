@@ -258,7 +258,12 @@ def test_resume_may_change_how_it_runs(tmp_path):
     checkpoint.mkdir(parents=True)
     (checkpoint / "trainer_state.json").write_text("{}")
     write_checkpoint_manifest(checkpoint)
-    lora.validate(lora.Config(output_dir=str(folder), resume=True, timeout_s=60, save_steps=5))
+    before = (folder / "run.json").read_bytes()
+    # where and how it runs may change (the timeout, how often it saves); what it trains may not
+    assert lora.validate(lora.Config(output_dir=str(folder), resume=True, timeout_s=60, save_steps=5)).name == "tiny"
+    with pytest.raises(UserError, match="was started with --max-steps"):
+        lora.validate(lora.Config(output_dir=str(folder), resume=True, timeout_s=60, save_steps=5, max_steps=7))
+    assert (folder / "run.json").read_bytes() == before
 
 
 # ------------------------------------------------------------------------------------------ what must work

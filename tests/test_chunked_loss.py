@@ -90,7 +90,10 @@ def test_an_adapted_output_layer_keeps_the_plain_loss():
     model = add_lora(build_causal_lm(preset, random_init=True), AdapterSpec(rank=4).resolved(("c_attn", "lm_head")))
     assert use_chunked_loss(model) is False
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
-    assert model(input_ids=ids, labels=ids).logits is not None
+    out = model(input_ids=ids, labels=ids)
+    # the plain loss: the mean cross entropy of each token's logits against the next token
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(out.loss, expected)
 
 
 def test_gpt2_activation_is_one_kernel_and_the_same_function():
