@@ -1,6 +1,7 @@
 # Each target creates .venv and installs the pinned requirements on first use.
 #   make demo   run the whole series on the tiny preset into runs/run_<n>_<device>_x<count>/ and print the table
 #   make test   run the test suite (the command CI runs)
+#   make test-fast  the tests not marked slow (no notebook, no training run): about a minute, while you work
 #   make lab    open the notebooks in JupyterLab
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +9,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test lab install clean-venv
+.PHONY: demo test test-fast lab install clean-venv
 
 install: $(VENV)/.installed
 
@@ -29,6 +30,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -n 2 --dist loadgroup  # two workers share the cores, each taking the next test as it is free
+
+test-fast: install
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow"
 
 # Jupyter refuses to start as root (in a container, say) unless told it is meant.
 lab: install
