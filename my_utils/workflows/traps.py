@@ -113,9 +113,10 @@ def checkpointed_ddp(model, reentrant: bool):
     block = type(model.base_model.model.transformer.h[0])
     # region: the reentrant trap
     impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
                                    check_fn=lambda module: isinstance(module, block))
-    model.enable_input_require_grads()  # reentrant checkpointing needs inputs that require grad (lesson 11's second trap)
+    model.enable_input_require_grads()  # reentrant checkpointing needs inputs that require grad (lesson 11, trap 2)
     return DistributedDataParallel(model, find_unused_parameters=True)
     # endregion
 
@@ -261,8 +262,8 @@ def train(cfg: Config) -> dict:
             else:
                 results[trap] = sharded_save(base, preset, cfg, dataset, batches, life.folder)
             print0(f"{trap}: trap {results[trap].get('trap')}\n{' ' * len(trap)}  cure {results[trap].get('cure')}")
-        summary = {"workflow": "traps", "preset": cfg.preset, "world_size": world_size, "steps": cfg.max_steps,
-                   "traps": results} if life.is_main else None
+        summary = {"workflow": "traps", "preset": cfg.preset, "world_size": world_size,
+                   "steps_per_trap": cfg.max_steps, "traps": results} if life.is_main else None
         life.finish(summary)
     return life.summary
 
