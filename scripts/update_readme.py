@@ -61,7 +61,10 @@ LESSONS = {
                  "normalisation, checkpointing a frozen base, reentrant checkpointing under DDP, sharded adapter saves, "
                  "an upcast frozen base, `device_map=\"auto\"` under DDP, `notebook_launcher` refusing, evaluating "
                  "before training"),
-    "12_compare": ("compare runs", "tables and plots from results folders, the memory planner beside measurement"),
+    "12_peft_methods": ("PEFT methods", "LoRA, DoRA, IA3, prompt, P- and prefix tuning, VeRA and LN tuning beside full "
+                        "fine-tuning, each a peft config file at its better learning rate: quality, parameters, "
+                        "step time, forgetting, merging"),
+    "13_compare": ("compare runs", "tables and plots from results folders, the memory planner beside measurement"),
 }
 
 

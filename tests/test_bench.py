@@ -80,12 +80,12 @@ def test_model_flops_count_lora_backward_without_base_weight_gradients(subproces
         "import json\n"
         "from my_utils.tools.bench import model_flops_per_token\n"
         "from my_utils.core.adapters import AdapterSpec\n"
-        "from my_utils.core.models import add_lora, build_causal_lm\n"
+        "from my_utils.core.models import add_adapter, build_causal_lm\n"
         "from my_utils.core.presets import get_preset\n"
         "p = get_preset('tiny')\n"
         "full = model_flops_per_token(build_causal_lm(p, random_init=True), 64, 'full')\n"
         "spec = AdapterSpec(rank=8).resolved(p.lora_targets)\n"
-        "lora = model_flops_per_token(add_lora(build_causal_lm(p, random_init=True), spec), 64, 'lora')\n"
+        "lora = model_flops_per_token(add_adapter(build_causal_lm(p, random_init=True), spec), 64, 'lora')\n"
         "print(json.dumps({'full': full, 'lora': lora}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], env=subprocess_env, cwd=REPO_ROOT, capture_output=True,

@@ -9,7 +9,7 @@ import torch
 
 from my_utils.core.adapters import AdapterSpec
 from my_utils.core.chunked_loss import linear_cross_entropy, use_chunked_loss
-from my_utils.core.models import add_lora, build_causal_lm
+from my_utils.core.models import add_adapter, build_causal_lm
 from my_utils.core.presets import get_preset
 
 
@@ -40,7 +40,7 @@ def _tiny(lora: bool):
     preset = get_preset("tiny")
     torch.manual_seed(0)
     model = build_causal_lm(preset, random_init=True)
-    return add_lora(model, AdapterSpec(rank=8).resolved(preset.lora_targets)) if lora else model
+    return add_adapter(model, AdapterSpec(rank=8).resolved(preset.lora_targets)) if lora else model
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -87,7 +87,7 @@ def test_evaluation_keeps_the_logits_and_a_copy_runs_its_own_weights():
 
 def test_an_adapted_output_layer_keeps_the_plain_loss():
     preset = get_preset("tiny")
-    model = add_lora(build_causal_lm(preset, random_init=True), AdapterSpec(rank=4).resolved(("c_attn", "lm_head")))
+    model = add_adapter(build_causal_lm(preset, random_init=True), AdapterSpec(rank=4).resolved(("c_attn", "lm_head")))
     assert use_chunked_loss(model) is False
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
     out = model(input_ids=ids, labels=ids)

@@ -33,7 +33,9 @@ def test_resolve_settles_every_default_before_the_folder_opens():
     preset = get_preset("tiny")
     cfg = lora.resolve(lora.Config(adapter=AdapterSpec(rank=4)), preset, world_size=2)
     assert all(getattr(cfg, key) is not None for key in RESOLVED) and cfg.mixed_precision != "auto"
-    assert cfg.adapter == AdapterSpec(rank=4, alpha=8, targets=tuple(preset.lora_targets))
+    assert cfg.adapter == AdapterSpec(rank=4, alpha=8, targets=tuple(preset.lora_targets), peft={
+        "peft_type": "LORA", "bias": "none", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": False,
+        "use_dora": False, "target_modules": list(preset.lora_targets)})
     assert (cfg.batch_size, cfg.learning_rate, cfg.num_processes) == (preset.batch_size, preset.learning_rate, 2)
     assert lora.resolve(cfg, preset, world_size=2) == cfg, "resolving twice changes nothing (resume compares them)"
     full = lora.resolve(lora.Config(method="full"), preset, world_size=1)
@@ -192,22 +194,25 @@ def test_two_processes_of_8_and_4_accumulation_steps_of_4_train_like_one_process
     assert load_run(two)["summary"]["eval_loss"] == pytest.approx(load_run(one)["summary"]["eval_loss"], rel=1e-4)
 
 
-def test_a_dora_run_trains_and_records_dora(tmp_path, subprocess_env):
-    """DoRA is one AdapterSpec field: --dora reaches peft, run.json, summary.json and the saved adapter. run.json's
-    config records what ran: no default left as null."""
+def test_a_dora_run_trains_from_its_config_file_and_records_dora(tmp_path, subprocess_env):
+    """DoRA is a peft config file (configs/peft/dora.json): it reaches peft, run.json, summary.json and the saved
+    adapter. run.json's config records what ran: no default left as null, the resolved peft config whole."""
     from safetensors import safe_open
 
     out = tmp_path / "dora"
-    proc = subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", "--preset", "tiny", "--dora",
-                           "--max-steps", "2", "--logging-steps", "1", "--batch-size", "4", "--eval-rows", "4",
-                           "--skip-generation-eval", "--output-dir", str(out)], env=subprocess_env, cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", "--preset", "tiny", "--adapter-config",
+                           "configs/peft/dora.json", "--max-steps", "2", "--logging-steps", "1", "--batch-size", "4",
+                           "--eval-rows", "4", "--skip-generation-eval", "--output-dir", str(out)],
+                          env=subprocess_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = load_run(out)
     config, summary = run["run"]["config"], run["summary"]
     assert [key for key in RESOLVED if config[key] is None] == [] and config["mixed_precision"] != "auto"
     assert config["adapter"] == {"rank": 8, "alpha": 16, "targets": ["c_attn"], "dropout": 0.0, "rslora": False,
-                                 "dora": True}
+                                 "dora": True, "adapter_config": "configs/peft/dora.json", "peft": {
+                                     "peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+                                     "target_modules": ["c_attn"], "bias": "none", "use_dora": True,
+                                     "use_rslora": False}}
     assert summary["adapter"] == config["adapter"] and summary["dora"] is True and summary["method"] == "lora"
     assert summary["steps"] == 2 and len([m for m in run["metrics"] if "loss" in m]) == 2
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["use_dora"] is True

@@ -32,7 +32,12 @@ MUTATIONS = {
         "first['trap']['adapter_spread'] = 0.0  # ranks that stayed in step after evaluating first",
         "saved['trap']['elements'] = saved['expected_elements']  # a naive save that wrote the whole adapter",
     ],
-    "12_compare": ["part_ratios.append(1.3)  # a part the planner misses by 30%"],
+    "12_peft_methods": [
+        "forgot['full'] = forgot['lora']  # full fine-tuning that forgets no more than LoRA",
+        "by['lora+all-linear'] = by['lora']  # placement that changes nothing",
+        "counted['ia3'] = (counted['ia3'][0] + 1, counted['ia3'][1])  # a planner count one off peft's",
+    ],
+    "13_compare": ["part_ratios.append(1.3)  # a part the planner misses by 30%"],
 }
 
 

@@ -11,7 +11,7 @@ LORA_STEPS = [5.817418, 5.411787, 4.817884]  # LoRA r=8 on its preset targets, s
 
 def test_the_tiny_models_losses_are_pinned():
     from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.models import add_lora, build_causal_lm
+    from my_utils.core.models import add_adapter, build_causal_lm
     from my_utils.core.presets import get_preset
     from my_utils.workflows.ddp_common import block_dataset
 
@@ -22,7 +22,7 @@ def test_the_tiny_models_losses_are_pinned():
     with torch.no_grad():
         assert model(**batch).loss.item() == pytest.approx(PRETRAINED, rel=1e-5)
     torch.manual_seed(0)
-    lora = add_lora(model, AdapterSpec(rank=8).resolved(preset.lora_targets))
+    lora = add_adapter(model, AdapterSpec(rank=8).resolved(preset.lora_targets))
     optimizer = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-2)
     losses = []
     for _ in LORA_STEPS:

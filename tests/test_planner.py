@@ -20,9 +20,9 @@ LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 def lora(model, rank, targets, task_type="CAUSAL_LM"):
     """``model`` with peft's LoRA adapters of ``rank`` on ``targets``, as the workflows add them."""
-    from my_utils.core.models import add_lora
+    from my_utils.core.models import add_adapter
 
-    return add_lora(model, AdapterSpec(rank=rank, targets=tuple(targets)).resolved(targets), task_type=task_type)
+    return add_adapter(model, AdapterSpec(rank=rank, targets=tuple(targets)).resolved(targets), task_type=task_type)
 
 
 @pytest.fixture(scope="module")

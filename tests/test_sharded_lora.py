@@ -43,14 +43,14 @@ def test_the_saved_adapter_is_whole_and_gives_the_sharded_models_outputs(uninter
     from transformers import AutoTokenizer
 
     from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.models import add_lora
+    from my_utils.core.models import add_adapter
     from my_utils.core.presets import get_preset
     from my_utils.workflows.ddp_common import block_dataset, build_model
 
     workers = [json.loads(p.read_text()) for p in sorted((uninterrupted / "workers").glob("rank_*.json"))]
     assert [w["world_size"] for w in workers] == [2, 2]
     preset = get_preset("tiny")
-    one_process = get_peft_model_state_dict(add_lora(build_model(preset), AdapterSpec().resolved(preset.lora_targets)))
+    one_process = get_peft_model_state_dict(add_adapter(build_model(preset), AdapterSpec().resolved(preset.lora_targets)))
     saved = load_file(uninterrupted / "adapter" / "adapter_model.safetensors")
     assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in one_process.items()}  # not a shard
     assert all(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # trained, not the zero init

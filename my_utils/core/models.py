@@ -3,9 +3,9 @@ inside the functions that need them (so ``import my_utils`` stays light and laun
 
 LoRA to QLoRA is one argument: ``build_causal_lm(preset, quantize="4bit")``.
 
-    from my_utils.core.models import build_causal_lm, add_lora, count_parameters
+    from my_utils.core.models import build_causal_lm, add_adapter, count_parameters
     preset = get_preset("tiny")
-    model = add_lora(build_causal_lm(preset), AdapterSpec(rank=8).resolved(preset.lora_targets))
+    model = add_adapter(build_causal_lm(preset), AdapterSpec(rank=8).resolved(preset.lora_targets))
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.core.adapters import ALL_LINEAR, AdapterSpec
+from my_utils.core.adapters import ALL_LINEAR, LORA, AdapterSpec
 from my_utils.core.presets import Preset
 
 QUANTIZE_CHOICES = ("none", "8bit", "4bit")
@@ -202,21 +202,33 @@ def max_positions(config) -> int | None:
     return None
 
 
-def add_lora(model, spec: AdapterSpec, task_type: str = "CAUSAL_LM", modules_to_save=None):
-    """Wrap ``model`` with the adapters ``spec`` describes (peft; give it resolved: every default filled in).
+def add_adapter(model, spec: AdapterSpec, task_type: str = "CAUSAL_LM", modules_to_save=None):
+    """Wrap ``model`` with the adapter ``spec`` describes (peft; give it resolved: every default filled in). peft's
+    complaint that a method cannot adapt this model (a layer type it does not support, a target it does not find)
+    becomes one sentence.
 
     A quantized model is first prepared for k-bit training (frozen base, fp32 norms, input gradients).
     """
     spec.check()
-    check_lora_targets(model, spec.targets)
+    if spec.peft_type == LORA:
+        check_lora_targets(model, spec.targets)
     from peft import get_peft_model, prepare_model_for_kbit_training
 
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     # GPT-2's Conv1D layers store weights as (in, out); saying so spares peft's warning that it corrected this
-    conv1d = any(type(module).__name__ == "Conv1D" and (ALL_LINEAR in spec.targets or name.rsplit(".", 1)[-1] in
-                                                         spec.targets) for name, module in model.named_modules())
-    return get_peft_model(model, spec.lora_config(task_type, modules_to_save, fan_in_fan_out=conv1d))
+    targets = spec.targets or ()
+    conv1d = any(type(module).__name__ == "Conv1D" and (not targets or ALL_LINEAR in targets
+                                                        or name.rsplit(".", 1)[-1] in targets)
+                 for name, module in model.named_modules())
+    config = spec.peft_config(task_type, modules_to_save, fan_in_fan_out=conv1d)
+    try:
+        return get_peft_model(model, config)
+    except (TypeError, ValueError) as e:  # raised by peft as it matches the config to the model's layers
+        reason = str(e).strip().splitlines()[0].rstrip(".")
+        hint = "; name them with --targets or in the file's target_modules" if "target_modules" in reason else ""
+        raise UserError(f"peft cannot add {spec.adapter_config or 'this LoRA adapter'} to {type(model).__name__}: "
+                        f"{reason}{hint}.") from None
 
 
 def count_parameters(model) -> dict:

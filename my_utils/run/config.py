@@ -99,6 +99,8 @@ def add_arguments(parser, cls) -> None:
     """A flag per field of the dataclass ``cls`` (nested dataclasses flattened), with its help and choices."""
     for f, kind in _fields(cls):
         meta, base = f.metadata, _base_type(kind)
+        if meta.get("flag") is False:  # set by the workflow as it resolves its settings
+            continue
         if dataclasses.is_dataclass(base):
             add_arguments(parser.add_argument_group(meta.get("help")), base)
             continue

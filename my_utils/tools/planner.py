@@ -128,6 +128,7 @@ class Architecture:
     head_params: int = 0  # classification head (trained beside LoRA adapters)
     output_layer: str = ""  # a causal LM's projection onto the vocabulary
     positions: int | None = None  # the longest sequence the model takes (its position embeddings), if it has a limit
+    norm_params: dict = field(default_factory=dict, repr=False)  # normalisation module name -> its parameters
 
 
 def _first(config, names, default=None):
@@ -244,6 +245,7 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
         quantizable=tuple(quantizable),
         head_params=sum(p.numel() for n in head for p in getattr(model, n).parameters()),
         positions=max_positions(config),
+        norm_params={n: sum(p.numel() for p in m.parameters()) for n, m in norms},
     )
 
 
@@ -291,6 +293,53 @@ def lora_modules(arch: Architecture, targets) -> list[str]:
 def lora_parameters(arch: Architecture, rank: int, targets) -> int:
     """A rank-r adapter on a (d_in -> d_out) layer adds A (r x d_in) and B (d_out x r): r (d_in + d_out)."""
     return sum(rank * (arch.linears[n][0] + arch.linears[n][1]) for n in lora_modules(arch, targets))
+
+
+def _matching(names, targets) -> list[str]:
+    """The module ``names`` that peft's ``target_modules`` select: a string is a regular expression the whole name
+    must match; a list holds names that a module's name equals or ends with (after a dot)."""
+    if isinstance(targets, str):
+        return [n for n in names if re.fullmatch(targets, n)]
+    return [n for n in names if any(n == t or n.endswith("." + t) for t in targets)]
+
+
+def adapter_parameters(arch: Architecture, peft: dict) -> int:
+    """The trainable parameters of the adapter that peft's config ``peft`` (as peft resolved it: its
+    adapter_config.json, target modules named) adds to ``arch``, by each method's arithmetic. Methods:
+
+    - LORA: A (r x d_in) and B (d_out x r) per adapted layer; DoRA adds a magnitude per output feature.
+    - LOHA: two such pairs, their Hadamard product the update: 2 r (d_in + d_out).
+    - IA3: a scaling vector per adapted layer, over its outputs (over its inputs for a feed-forward module).
+    - VERA: two scaling vectors per layer (d_out and r); the random projections A and B are shared and frozen.
+    - LN_TUNING: the adapted norms' own weights (and biases), trained in a copy.
+    - PROMPT_TUNING: a d_model vector per virtual token. P_TUNING: those, and the MLP that makes them
+      (d -> h -> h -> d, with biases). PREFIX_TUNING: keys and values per virtual token and layer, as wide
+      as the attention's key/value heads.
+    """
+    kind, targets = peft["peft_type"], peft.get("target_modules") or []
+    tokens = peft.get("num_virtual_tokens", 0)
+    layers = _matching(arch.linears, targets) if kind in ("LORA", "LOHA", "IA3", "VERA") else []
+    if kind == "LORA":
+        dora = sum(arch.linears[n][1] for n in layers) if peft.get("use_dora") else 0
+        return sum(peft["r"] * (arch.linears[n][0] + arch.linears[n][1]) for n in layers) + dora
+    if kind == "LOHA":
+        return sum(2 * peft["r"] * (arch.linears[n][0] + arch.linears[n][1]) for n in layers)
+    if kind == "IA3":
+        feedforward = set(_matching(layers, peft.get("feedforward_modules") or []))
+        return sum(arch.linears[n][0] if n in feedforward else arch.linears[n][1] for n in layers)
+    if kind == "VERA":
+        return sum(arch.linears[n][1] + peft["r"] for n in layers)
+    if kind == "LN_TUNING":
+        return sum(arch.norm_params[n] for n in _matching(arch.norm_params, targets))
+    if kind == "PROMPT_TUNING":
+        return tokens * arch.hidden
+    if kind == "P_TUNING":
+        d, h = arch.hidden, peft["encoder_hidden_size"]
+        return tokens * d + (d * h + h) + (h * h + h) + (h * d + d)
+    if kind == "PREFIX_TUNING" and not peft.get("prefix_projection"):
+        return tokens * arch.layers * 2 * arch.kv_heads * (arch.attention_width // arch.heads)
+    raise UserError(f"The planner does not count the parameters of {kind}"
+                    f"{' with prefix_projection' if kind == 'PREFIX_TUNING' else ''}; measure a short run of it.")
 
 
 def _role_of(name: str) -> str:
@@ -465,17 +514,23 @@ class Plan:
 ZERO_STAGES = (0, 1, 2, 3)
 # The adapter settings the arithmetic models; any other set away from its default is refused, so a new peft
 # option in AdapterSpec is never planned silently as plain LoRA.
-MODELLED_ADAPTER_FIELDS = ("rank", "alpha", "targets", "rslora")
+MODELLED_ADAPTER_FIELDS = ("rank", "alpha", "targets", "rslora", "adapter_config", "peft")
 
 
 def check_adapter_modelled(adapter) -> None:
-    """One sentence if ``adapter`` (an AdapterSpec) uses a setting whose memory the planner does not model."""
-    from dataclasses import fields
+    """One sentence if ``adapter`` (an AdapterSpec) uses a setting or a method whose memory the planner does not
+    model (it models LoRA's; ``adapter_parameters`` counts the other methods' parameters)."""
+    from my_utils.core.adapters import LORA, read_adapter_file
 
     for f in fields(adapter):
         if f.name not in MODELLED_ADAPTER_FIELDS and getattr(adapter, f.name) != f.default:
             raise UserError(f"The planner does not model the memory of --{f.name.replace('_', '-')} "
                             f"{getattr(adapter, f.name)!r}; plan without it and measure the run.")
+    written = adapter.peft or (read_adapter_file(adapter.adapter_config) if adapter.adapter_config else {})
+    if adapter.peft_type != LORA or written.get("use_dora"):
+        name = "DoRA" if adapter.peft_type == LORA else adapter.peft_type
+        raise UserError(f"The planner models the memory of LoRA, not of {name} ({adapter.adapter_config}); plan "
+                        "LoRA at a similar size and measure a short run of it.")
 
 
 def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | None = None,
@@ -773,7 +828,7 @@ def plan_for_run(summary: dict, rank: int = 0) -> Plan:
     first = summary["first_batches"][rank]
     method = "full" if summary["method"] == "full" else "lora" if quantization is None else "qlora"
     recorded = summary.get("adapter")  # None for full fine-tuning
-    adapter = AdapterSpec(**{**recorded, "targets": tuple(recorded["targets"])}) if recorded else None
+    adapter = AdapterSpec(**{**recorded, "targets": tuple(recorded["targets"] or ())}) if recorded else None
     return plan(summary["preset"], method, adapter=adapter,
                 quantize=None if quantization is None else f"{quantization['bits']}bit",
                 batch_size=first["batch_size"], max_length=first["seq_len"],

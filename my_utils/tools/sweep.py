@@ -280,11 +280,14 @@ def _check_same_experiment(spec: SweepSpec, out: Path) -> None:
         )
 
 
-def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bool = True) -> list[dict]:
+def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bool = True,
+              fresh_processes: bool = True) -> list[dict]:
     """Train every cell of ``spec`` not yet complete in ``out``, each in its own process, ``jobs`` at a time;
     returns ``load_sweep(out)``. ``steady_memory``: run the cells with ``STEADY_MEMORY_ENV``, so that their peak
     memory compares (it costs each process time in system calls; leave it off for cells compared for quality
-    only). Every cell's output goes to ``output.log`` in its folder; a line per cell says how it ended. A cell that
+    only). ``fresh_processes=False``: ``jobs`` worker processes (``my_utils.tools.sweep_worker``) train the cells
+    one after another, importing the libraries once instead of once per cell (seconds a cell); each cell's results
+    and tensor memory are its own, its process's peak memory (``peak_memory_bytes``) is not. Every cell's output goes to ``output.log`` in its folder; a line per cell says how it ended. A cell that
     fails does not stop the others (JobFailed at the end names them), unless it refused its input (exit code 2):
     the others would refuse it too, so the sweep stops with that cell's sentence. A model that is neither cached
     nor downloadable stops it before any cell starts."""
@@ -297,6 +300,8 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     out = Path(out).absolute()  # the cells run where the sweep was started, and write here whatever their folder
     check_positive("--jobs", jobs)
     check_process_count(spec.num_processes)
+    if not fresh_processes and spec.num_processes > 1:
+        raise UserError("Cells of several processes each need a launch of their own; run them in fresh processes.")
     if jobs > 1 and (spec.num_processes > 1 or not is_cpu_only()):
         raise UserError("--jobs above 1 runs one-process cells side by side on a CPU; on GPUs, or with "
                         "--num-processes, run one cell at a time.")
@@ -315,12 +320,12 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     out.mkdir(parents=True, exist_ok=True)
     hold_folder(out, "The sweep folder")  # one sweep per folder at a time, for as long as this one runs
     try:
-        return _run_cells(spec, out, jobs, steady_memory)
+        return _run_cells(spec, out, jobs, steady_memory, fresh_processes)
     finally:
         release_folder(out)
 
 
-def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool) -> list[dict]:
+def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool, fresh_processes: bool) -> list[dict]:
     """``run_sweep``'s work once its checks passed and it holds the sweep folder."""
     from tqdm.auto import tqdm
 
@@ -349,37 +354,48 @@ def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool) -> li
     # The children's own progress bars would only fill their logs. Cells side by side share the cores.
     threads = {"OMP_NUM_THREADS": max(1, usable_cores() // jobs)} if jobs > 1 else {}
     env = clean_env(TQDM_DISABLE=1, **threads, **(STEADY_MEMORY_ENV if steady_memory else {}))
-    running, failed, todo_names = {}, [], [cell_name(c) for c in todo]
+    todo_names = [cell_name(c) for c in todo]
+    # a process per cell, or per job: a worker trains its share of the cells one after another
+    batches = [[c] for c in todo] if fresh_processes else [todo[i::jobs] for i in range(jobs) if todo[i::jobs]]
+    running, failed = {}, []
     bar = tqdm(total=len(todo), desc="sweep", unit="cell", file=sys.stdout)
     previous = _stop_on_sigterm()
     try:
-        while todo or running:
-            while todo and len(running) < jobs:
-                cell = todo.pop(0)
-                folder = out / cell_name(cell)
-                log = out / f"{folder.name}.log"
+        while batches or running:
+            while batches and len(running) < jobs:
+                batch = batches.pop(0)
+                folders = [out / cell_name(c) for c in batch]
+                log = out / f"{folders[0].name}{'' if fresh_processes else '.worker'}.log"
+                cmd = (cell_command(spec, batch[0], folders[0]) if fresh_processes else
+                       [sys.executable, "-m", "my_utils.tools.sweep_worker",
+                        *(json.dumps([str(folder), cell_command(spec, c, folder)[3:]])
+                          for c, folder in zip(batch, folders))])
                 with open(log, "w", encoding="utf-8") as f:
-                    proc = _start(cell_command(spec, cell, folder), env, f)
-                running[proc] = (folder, log, time.perf_counter())
+                    proc = _start(cmd, env, f)
+                running[proc] = (folders, log, time.perf_counter())
             time.sleep(0.1)
             for proc in [p for p in running if p.poll() is not None]:
-                folder, log, started = running.pop(proc)
-                if folder.is_dir():
-                    log = log.replace(folder / "output.log")
-                bar.update()
-                bar.write(_ended(folder, time.perf_counter() - started))
+                folders, log, started = running.pop(proc)
+                for folder in folders:
+                    cell_log = out / f"{folder.name}.log"  # a worker moves its cells' logs itself
+                    if folder.is_dir() and cell_log.is_file():
+                        cell_log.replace(folder / "output.log")
+                    bar.update()
+                    bar.write(_ended(folder, time.perf_counter() - started))
+                    if _status(folder) != "complete" and (folder.is_dir() or proc.returncode != 2):
+                        failed.append(folder.name)
                 if proc.returncode == 2:
-                    said = [line for line in log.read_text(encoding="utf-8").splitlines() if ": error: " in line]
-                    reason = said[-1].split(": error: ", 1)[1] if said else f"see {log}"
-                    raise UserError(f"The cell {folder.name} refused its settings, and the sweep stopped: {reason}")
-                if proc.returncode:
-                    failed.append(folder.name)
+                    refused = next((f for f in (out / f"{folder.name}.log" for folder in folders) if f.is_file()), log)
+                    said = [line for line in refused.read_text(encoding="utf-8").splitlines() if ": error: " in line]
+                    reason = said[-1].split(": error: ", 1)[1] if said else f"see {refused}"
+                    raise UserError(f"The cell {refused.stem} refused its settings, and the sweep stopped: {reason}")
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the cells still training stop too (and record it)
         for proc in running:
             proc.terminate()
             proc.wait()
         bar.close()
-        stopped = ", ".join(folder.name for folder, _, _ in running.values())
+        stopped = ", ".join(folder.name for folders, _, _ in running.values() for folder in folders
+                            if _status(folder) != "complete")
         raise KeyboardInterrupt(f"{str(e) or 'Ctrl-C'}; {len(running)} cell(s) stopped ({stopped or 'none running'}): run "
                                 "the same command to go on where it stopped") from None
     finally:
@@ -434,7 +450,7 @@ def _ended(folder: Path, seconds: float) -> str:
 
 # What a row says about its cell: the settings in effect (defaults resolved), from summary.json and run.json; the
 # adapter's are every field of AdapterSpec.
-ADAPTER_SETTINGS = tuple(f.name for f in fields(AdapterSpec))
+ADAPTER_SETTINGS = tuple(f.name for f in fields(AdapterSpec) if f.metadata.get("flag") is not False)
 SETTINGS = ("method", *ADAPTER_SETTINGS, "learning_rate", "steps", "seed")
 
 

@@ -64,7 +64,7 @@ def validate(cfg: Config):
     check_choice("method", cfg.method, METHODS)
     check_choice("parallel mode", cfg.parallel, PARALLEL)
     if cfg.method == "lora":
-        cfg.adapter.check()
+        cfg.adapter.check_lora_only("classification")
     for name in ("batch_size", "max_steps", "max_length", "learning_rate"):
         if getattr(cfg, name) is not None:
             check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name), float if name == "learning_rate" else int)
@@ -270,7 +270,7 @@ def train(cfg: Config) -> dict:
 
     from my_utils.core.devices import per_rank_device
     from my_utils.core.memory import reset_peak, snapshot
-    from my_utils.core.models import add_lora, build_classifier, count_parameters
+    from my_utils.core.models import add_adapter, build_classifier, count_parameters
     from my_utils.core.printing import print0
     from my_utils.run.callbacks import gradient_bytes, memory_breakdown, model_weight_bytes, optimizer_state_bytes
     from my_utils.run.lifecycle import join_world, run_lifecycle
@@ -294,7 +294,7 @@ def train(cfg: Config) -> dict:
         model = build_classifier(preset, len(sentences.labels), random_init=cfg.random_init)
         disable_dropout(model)  # so that every parallel mode computes the same numbers
         if cfg.method == "lora":  # adapters on cfg.adapter.targets; peft keeps the new head fully trainable
-            model = add_lora(model, cfg.adapter, task_type="SEQ_CLS")
+            model = add_adapter(model, cfg.adapter, task_type="SEQ_CLS")
         # endregion
         params = count_parameters(model)
         print0(f"{cfg.method}, {cfg.parallel}: {params['trainable']:,} of {params['total']:,} parameters train")

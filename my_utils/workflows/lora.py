@@ -8,13 +8,16 @@ One function, two launchers:
     ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.lora --preset tiny --quantize 4bit
     python -m my_utils.workflows.lora --preset tiny --dora
     python -m my_utils.workflows.lora --preset tiny --method full
+    # any peft method, named by its config file (configs/peft/: ia3, prompt_tuning, prefix_tuning, vera, ...)
+    python -m my_utils.workflows.lora --preset tiny --adapter-config configs/peft/ia3.json --learning-rate 0.1
     # a notebook
     from my_utils.core.adapters import AdapterSpec
     from my_utils.run.launch import launch
     launch(train, Config(preset="tiny", adapter=AdapterSpec(rank=16)), num_processes=2)
 
-The adapter's flags (``--rank --alpha --targets --dropout --rslora --dora``) are the fields of
-``my_utils.core.adapters.AdapterSpec``: a new peft option added there is a flag here, in run.json and in the sweep.
+The adapter's flags (``--adapter-config --rank --alpha --targets --dropout --rslora --dora``) are the fields of
+``my_utils.core.adapters.AdapterSpec``: a new peft option added there is a flag here, in run.json and in the sweep,
+and a new peft method is one JSON file.
 
 Checkpoints and resuming (the same results folder continues; its losses match an uninterrupted run). A crash
 resumes from the newest whole checkpoint; a SIGTERM (a scheduler preempting the job) stops every rank at the
@@ -57,10 +60,10 @@ RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "num_processes", "timeout
 
 @dataclass
 class Config(RunSettings):
-    method: str = setting("lora", "lora: adapters (with --quantize, QLoRA); full: every weight trains",
-                          choices=METHODS)
-    adapter: AdapterSpec | None = setting(AdapterSpec, "the LoRA adapter (method lora; run.json records null for "
-                                          "full fine-tuning, which has none)")
+    method: str = setting("lora", "lora: a peft adapter, LoRA unless --adapter-config names another method (with "
+                          "--quantize, QLoRA); full: every weight trains", choices=METHODS)
+    adapter: AdapterSpec | None = setting(AdapterSpec, "the adapter (method lora; run.json records null for full "
+                                          "fine-tuning, which has none)")
     quantize: str = setting("none", "load the base model in 8-bit or 4-bit NF4 (QLoRA)", choices=QUANTIZE_CHOICES)
     batch_size: int | None = setting(None, "examples per process per micro-batch (default: the preset's)")
     grad_accum: int = setting(1, "micro-batches per optimizer step: the effective batch is batch_size x "
@@ -85,6 +88,9 @@ class Config(RunSettings):
                                  "architecture allowed it)")
     data_file: str | None = setting(None, "JSON-lines file with instruction, input, output (default: the preset's "
                                     "data)")
+    forgetting_data: str | None = setting(None, "JSON-lines rows like the model's pretraining text (the tiny "
+                                          "preset's: assets/tiny/data/pretrain.jsonl): their loss before and after "
+                                          "training measures what fine-tuning forgot (summary: forgetting_loss_*)")
     logging_steps: int = setting(10, "steps between metrics lines")
     skip_generation_eval: bool = setting(False, "skip exact match and similarity (faster)")
     save_steps: int | None = setting(None, "save a checkpoint every N steps (weights as safetensors; the newest two "
@@ -186,26 +192,34 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
     config (LoRA targets, longest sequence), the tokenizer and the data. ``cfg`` is resolved (``resolve``). Returns
     the tokenizer, the tokenized sets and the held-out rows."""
     from my_utils.core.data import (INSTRUCTION_COLUMNS, check_enough_rows, check_text_columns, load_instructions,
-                                    tokenize_instructions)
+                                    read_jsonl, tokenize_instructions)
+    from my_utils.core.adapters import LORA
     from my_utils.core.devices import meta_model
-    from my_utils.core.models import check_lora_targets, load_tokenizer, max_positions
+    from my_utils.core.models import add_adapter, check_lora_targets, load_tokenizer, max_positions
 
     shipped_config = preset.offline_config.get("causal")
     if shipped_config:  # the architecture on the meta device: every module name and limit, no weights
         model = meta_model(shipped_config)
         limit = max_positions(model.config)
-        if limit and cfg.max_length > limit:
-            raise UserError(f"max_length {cfg.max_length} is longer than the model allows ({limit}); "
-                            f"use --max-length {limit}.")
+        # prompt tuning and P-tuning put their virtual tokens in front of every example
+        virtual = (cfg.adapter.peft or {}).get("num_virtual_tokens", 0) if cfg.adapter is not None else 0
+        if limit and cfg.max_length + virtual > limit:
+            raise UserError(f"max_length {cfg.max_length}{f' and {virtual} virtual tokens' if virtual else ''} "
+                            f"is longer than the model allows ({limit}); use --max-length {limit - virtual}.")
         if cfg.adapter is not None:
-            check_lora_targets(model, cfg.adapter.targets, cfg.adapter.rank)
+            if cfg.adapter.peft_type == LORA:
+                check_lora_targets(model, cfg.adapter.targets, cfg.adapter.rank)
+            add_adapter(model, cfg.adapter)  # peft's own checks of the config against the model, on no weights
     tokenizer = load_tokenizer(preset, trust_remote_code=cfg.trust_remote_code)
     train_rows, eval_rows = load_instructions(preset.instruction_data, eval_rows=cfg.eval_rows, seed=cfg.seed,
                                               path=cfg.data_file)
     source = cfg.data_file or f"the {preset.instruction_data} data"
     check_text_columns(train_rows + eval_rows, INSTRUCTION_COLUMNS, source)
     check_enough_rows(len(train_rows), cfg.batch_size * cfg.grad_accum * world_size)
+    forgetting_rows = read_jsonl(cfg.forgetting_data, INSTRUCTION_COLUMNS)[:cfg.eval_rows] if cfg.forgetting_data \
+        else []
     return {
+        "forgetting_set": tokenize_instructions(forgetting_rows, tokenizer, cfg.max_length) if forgetting_rows else None,
         "tokenizer": tokenizer,
         "train_set": tokenize_instructions(train_rows, tokenizer, cfg.max_length),
         "eval_set": tokenize_instructions(eval_rows, tokenizer, cfg.max_length),
@@ -230,7 +244,7 @@ def train(cfg: Config) -> dict:
     from my_utils.core.data import padding_collator
     from my_utils.core.devices import per_rank_device, per_rank_device_map
     from my_utils.core.evaluation import held_out_loss
-    from my_utils.core.models import add_lora, build_causal_lm, count_parameters
+    from my_utils.core.models import add_adapter, build_causal_lm, count_parameters
     from my_utils.core.printing import print0
     from my_utils.run.callbacks import TokenCounter, make_callbacks
     from my_utils.run.faults import course_trainer_class, install_fake_oom, reliability_callbacks
@@ -249,7 +263,7 @@ def train(cfg: Config) -> dict:
                                 compute_dtype=_autocast_dtype(cfg),
                                 trust_remote_code=cfg.trust_remote_code)
         if cfg.method == "lora":
-            model = add_lora(model, cfg.adapter)  # peft's LoraConfig from the spec: cfg.adapter.lora_config(...)
+            model = add_adapter(model, cfg.adapter)  # peft's config from the spec: cfg.adapter.peft_config(...)
         # endregion
         chunked_loss = cfg.chunked_loss and use_chunked_loss(model)
         install_fake_oom(model)
@@ -271,6 +285,14 @@ def train(cfg: Config) -> dict:
         # The base model's held-out loss, as evaluate() reports it; a resumed run recorded it when it first started.
         eval_loss_before = None if life.checkpoint else held_out_loss(
             model, inputs["eval_set"], padding_collator(tokenizer), cfg.batch_size, _autocast_dtype(cfg))
+
+        def forgetting_loss():  # the loss on pretraining-style rows, if given
+            if inputs["forgetting_set"] is None:
+                return None
+            return held_out_loss(trainer.model, inputs["forgetting_set"], padding_collator(tokenizer), cfg.batch_size,
+                                 _autocast_dtype(cfg))
+
+        forgetting_before = None if life.checkpoint else forgetting_loss()
         result, runtime = _fit(trainer, life.checkpoint, reliability["stop"], world_size, cfg.timeout_s)
         measured = {
             "chunked_loss": chunked_loss, "runtime": runtime, "params": params, "learning_rate": learning_rate,
@@ -278,6 +300,7 @@ def train(cfg: Config) -> dict:
             "tokens": sum(life.gather(counter.tokens) or [0]),
             "first_batches": life.gather(counter.previews[0] if counter.previews else None),
             "eval_loss_before": eval_loss_before, "eval": trainer.evaluate(), "before": before,
+            "forgetting_loss_before": forgetting_before, "forgetting_loss_after": forgetting_loss(),
             "after": _generation_eval(cfg, trainer.model, tokenizer, eval_rows),
         }
         summary = None
@@ -403,8 +426,10 @@ def _autocast_dtype(cfg: Config):
 
 
 def method_label(cfg: Config) -> str:
-    """lora, full, qlora-4bit or qlora-8bit."""
-    return cfg.method if cfg.quantize == "none" else f"qlora-{cfg.quantize}"
+    """full, the adapter's method (lora, ia3, prompt_tuning...), or qlora-4bit, qlora-8bit."""
+    if cfg.quantize != "none":
+        return f"qlora-{cfg.quantize}"
+    return (cfg.adapter or AdapterSpec()).method if cfg.method == "lora" else cfg.method
 
 
 def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, measured: dict,
@@ -428,6 +453,7 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
         "workflow": "lora",
         "preset": cfg.preset,
         "method": method_label(cfg),
+        "peft_type": cfg.adapter.peft_type if cfg.adapter is not None else None,
         "adapter": adapter,
         **{key: (adapter or {}).get(key) for key in ("rank", "alpha", "rslora", "dora", "targets")},
         "world_size": world_size,
@@ -449,6 +475,8 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
         "train_loss_final": losses[-1] if losses else None,
         "eval_loss_before": measured["eval_loss_before"],
         "eval_loss": measured["eval"].get("eval_loss"),
+        "forgetting_loss_before": measured["forgetting_loss_before"],
+        "forgetting_loss_after": measured["forgetting_loss_after"],
         "exact_match_before": before.get("exact_match"),
         "exact_match_after": after.get("exact_match"),
         "similarity_before": before.get("similarity"),

@@ -45,7 +45,7 @@ def validate(cfg: Config):
 
     preset = cfg.check_common()
     preset.require("causal")
-    cfg.adapter.check()
+    cfg.adapter.check_lora_only("sharded LoRA")
     check_choice("stage", cfg.stage, STAGES)
     for name in ("batch_size", "max_steps", "max_length"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
@@ -77,9 +77,9 @@ def sharded_lora_model(base, cfg: Config, checkpoint: Path | None):
     from safetensors.torch import load_file
     from torch.distributed.fsdp import fully_shard
 
-    from my_utils.core.models import add_lora
+    from my_utils.core.models import add_adapter
 
-    model = add_lora(base, cfg.adapter)
+    model = add_adapter(base, cfg.adapter)
     if checkpoint is not None:  # before sharding: every rank loads the whole adapter, then keeps its shard
         set_peft_model_state_dict(model, load_file(checkpoint / "adapter" / "adapter_model.safetensors"))
     # region: LoRA on a sharded base

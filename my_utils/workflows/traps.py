@@ -70,10 +70,10 @@ def lora_copy(base, preset):
     import torch
 
     from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.models import add_lora
+    from my_utils.core.models import add_adapter
 
     torch.manual_seed(0)
-    return add_lora(copy.deepcopy(base), AdapterSpec().resolved(preset.lora_targets))
+    return add_adapter(copy.deepcopy(base), AdapterSpec().resolved(preset.lora_targets))
 
 
 def adapter_spread(model) -> float:

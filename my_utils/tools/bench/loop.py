@@ -46,7 +46,7 @@ def bare_loop(cfg: LoopConfig) -> dict:
 
     from my_utils.core.adapters import AdapterSpec
     from my_utils.core.chunked_loss import use_chunked_loss
-    from my_utils.core.models import add_lora, build_causal_lm, set_threads
+    from my_utils.core.models import add_adapter, build_causal_lm, set_threads
     from my_utils.core.presets import get_preset
     from my_utils.tools.bench.flops import model_flops_per_token
 
@@ -59,7 +59,7 @@ def bare_loop(cfg: LoopConfig) -> dict:
     model = build_causal_lm(preset, random_init=cfg.random_init)
     loader, counter = _loader(cfg, preset, model.config.vocab_size, batch_size, max_length)
     if cfg.method == "lora":
-        model = add_lora(model, AdapterSpec(rank=cfg.rank).resolved(preset.lora_targets))
+        model = add_adapter(model, AdapterSpec(rank=cfg.rank).resolved(preset.lora_targets))
     use_chunked_loss(model)  # the workflow's loss, by default
     flops = model_flops_per_token(model, max_length, cfg.method)
     learning_rate = cfg.learning_rate or (preset.learning_rate if cfg.method == "lora" else preset.learning_rate / 10)

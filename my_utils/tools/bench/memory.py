@@ -185,7 +185,7 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
 def _model(preset_name: str, method: str, gradient_checkpointing: bool, device: str):
     """The preset's architecture with random weights on ``device``, checkpointed if asked, with LoRA r=8 or not."""
     from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.models import add_lora, build_causal_lm
+    from my_utils.core.models import add_adapter, build_causal_lm
     from my_utils.core.presets import get_preset
 
     preset = get_preset(preset_name)
@@ -194,7 +194,7 @@ def _model(preset_name: str, method: str, gradient_checkpointing: bool, device: 
         model.config.use_cache = False
         model.activation_checkpointing_enable({"use_reentrant": False})  # works with frozen inputs (LoRA)
     if method == "lora":
-        model = add_lora(model, AdapterSpec(rank=8).resolved(preset.lora_targets))
+        model = add_adapter(model, AdapterSpec(rank=8).resolved(preset.lora_targets))
     model.train()
     return model
 

@@ -79,7 +79,7 @@ def measure(preset_name: str, rank: int, seq_len: int = 32, batch_size: int = 2,
 
     from my_utils.core.adapters import AdapterSpec
     from my_utils.core.devices import per_rank_device
-    from my_utils.core.models import add_lora, build_causal_lm, set_threads
+    from my_utils.core.models import add_adapter, build_causal_lm, set_threads
     from my_utils.core.presets import get_preset
 
     preset = get_preset(preset_name)
@@ -99,7 +99,7 @@ def measure(preset_name: str, rank: int, seq_len: int = 32, batch_size: int = 2,
         batch = {"input_ids": torch.randint(3, vocab, (batch_size, seq_len), device=device)}
         batch["labels"] = batch["input_ids"].clone()
         phases.set_description("QLoRA step")
-        results["lora"] = one_step(add_lora(four_bit, AdapterSpec(rank=rank).resolved(preset.lora_targets)), batch)
+        results["lora"] = one_step(add_adapter(four_bit, AdapterSpec(rank=rank).resolved(preset.lora_targets)), batch)
         del four_bit
         gc.collect()
         phases.update()

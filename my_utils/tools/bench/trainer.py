@@ -101,7 +101,7 @@ def stock_sft(args) -> dict:
 
     from my_utils.core.adapters import AdapterSpec
     from my_utils.core.data import format_prompt, load_instructions
-    from my_utils.core.models import add_lora, build_causal_lm, load_tokenizer, set_threads
+    from my_utils.core.models import add_adapter, build_causal_lm, load_tokenizer, set_threads
     from my_utils.core.presets import get_preset
     from my_utils.run.callbacks import TokenCounter
     from my_utils.run.launch import is_cpu_only
@@ -115,7 +115,7 @@ def stock_sft(args) -> dict:
     def prompt_completion(rows):  # trl's prompt-completion format: the loss is on the completion only, as ours
         return Dataset.from_list([{"prompt": format_prompt(r), "completion": r["output"]} for r in rows])
 
-    model = add_lora(build_causal_lm(preset, random_init=args.random_init),
+    model = add_adapter(build_causal_lm(preset, random_init=args.random_init),
                      AdapterSpec(rank=8).resolved(preset.lora_targets))
     config = SFTConfig(
         output_dir=str(Path(args.output_dir) / "trainer"),

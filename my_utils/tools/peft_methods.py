@@ -1,0 +1,202 @@
+"""PEFT methods side by side: each method at its best learning rate, what it costs and what it learns, read from
+the results folders of a sweep (``my_utils.tools.sweep``) whose cells name peft adapter configs.
+
+    from my_utils.tools.peft_methods import best_per_method, method_table, plot_pareto
+    best = best_per_method(run_sweep(spec, out, jobs=2))
+    print(method_table(best))
+
+A method is a results folder's adapter config (``configs/peft/ia3.json`` -> ``ia3``), or ``full`` for full
+fine-tuning, with ``all-linear`` added where its targets say so. Each method's rows differ in the learning rate;
+its best is the one with the lowest held-out loss. ``peft_results`` writes a run in the layout of peft's own
+``method_comparison`` results, so that a tiny run can sit beside the published ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+from pathlib import Path
+
+from my_utils.core.adapters import ALL_LINEAR, PROMPT_LEARNING
+from my_utils.run.results import read_json
+
+
+def method_label(row: dict) -> str:
+    """``full``, or the adapter file's name (``lora``, ``ia3``...), ``+all-linear`` where the targets say so."""
+    if row["method"] == "full":
+        return "full"
+    name = Path(row["adapter_config"]).stem if row.get("adapter_config") else "lora"
+    return f"{name}+{ALL_LINEAR}" if row.get("targets") in ([ALL_LINEAR], (ALL_LINEAR,)) else name
+
+
+def with_figures(row: dict) -> dict:
+    """A sweep row with what this lesson also reads from the run's summary.json: forgetting, exact match before,
+    seconds per step, each part of the tensor memory (rank 0's) and the peft method."""
+    summary = read_json(Path(row["path"]) / "summary.json")
+    return {**row, "label": method_label(row), "peft_type": summary.get("peft_type") or "FULL",
+            "step_s": summary["runtime_s"] / summary["steps"],
+            "eval_loss_before": summary["eval_loss_before"],
+            "exact_match_before": summary["exact_match_before"],
+            "forgetting_before": summary.get("forgetting_loss_before"),
+            "forgetting_after": summary.get("forgetting_loss_after"),
+            "memory_parts": summary["memory"][0]["breakdown"]}
+
+
+def best_per_method(rows: list[dict]) -> list[dict]:
+    """One row per method, in the order the methods first appear: the rate with the lowest held-out loss, with
+    ``rates`` (every rate tried, and its held-out loss) and ``at_edge`` (the best is the lowest or highest rate
+    tried, so a better one may lie beyond)."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(method_label(row), []).append(row)
+    best = []
+    for group in groups.values():
+        group = sorted(group, key=lambda r: r["learning_rate"])
+        top = min(group, key=lambda r: r["eval_loss"])
+        best.append({**with_figures(top), "rates": [(r["learning_rate"], r["eval_loss"]) for r in group],
+                     "at_edge": len(group) > 1 and top in (group[0], group[-1])})
+    return best
+
+
+def merge_gap(row: dict, preset) -> float | None:
+    """Load the run's adapter onto the base model, merge it into the weights (peft's ``merge_and_unload``) and
+    return the largest logit difference on a fixed batch; None for a method that learns virtual tokens, which has
+    no weights to merge into."""
+    import torch
+    from peft import PeftModel
+
+    from my_utils.core.models import build_causal_lm
+
+    if row["peft_type"] in PROMPT_LEARNING or row["method"] == "full":
+        return None
+    with _quiet_loading():
+        model = PeftModel.from_pretrained(build_causal_lm(preset), Path(row["path"]) / "adapter").eval()
+    batch = torch.arange(3, 3 + 2 * 24).reshape(2, 24) % model.config.vocab_size
+    with torch.no_grad():
+        adapted = model(input_ids=batch).logits
+        merged = model.merge_and_unload()(input_ids=batch).logits
+    return float((adapted - merged).abs().max())
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """transformers' "Loading weights" progress bar off while a model loads (a lesson loads one per method)."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
+
+def method_table(best: list[dict]) -> str:
+    """Each method at its best rate: trainable parameters, adapter file, rate, held-out loss and exact match,
+    forgetting (the loss on pretraining-style rows, after minus before), seconds per step, trainable state
+    (gradients and optimizer) and whether it merged."""
+    from my_utils.core.memory import format_bytes
+    from my_utils.core.tables import text_table
+
+    rows = []
+    for r in best:
+        forgetting = (f"{r['forgetting_after'] - r['forgetting_before']:+.3f}"
+                      if r["forgetting_after"] is not None else "-")
+        merged = "-" if r["method"] == "full" else r.get("merge_gap", "-")
+        rows.append([r["label"], f"{r['trainable_params']:,}",
+                     format_bytes(r["adapter_bytes"]) if r["adapter_bytes"] else "-",
+                     f"{r['learning_rate']:g}" + (" (an end)" if r["at_edge"] else ""),
+                     f"{r['eval_loss']:.3f}", f"{r['exact_match']:.2f}", forgetting, f"{1000 * r['step_s']:.0f} ms",
+                     format_bytes(r["memory_parts"]["gradients"] + r["memory_parts"]["optimizer_states"]),
+                     "no" if merged is None else "-" if merged == "-" else f"yes ({merged:.0e})"])
+    return text_table(["method", "trainable", "adapter", "best lr", "held-out loss", "exact match", "forgetting",
+                       "step", "grads+optim", "merges"], rows)
+
+
+def plot_pareto(best: list[dict], out: str | Path) -> Path:
+    """Held-out loss against trainable parameters and against seconds per step, one point per method, the
+    Pareto front (no other method both cheaper and better) drawn through: ``<out>/pareto.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, key, label in ((axes[0], "trainable_params", "trainable parameters"),
+                           (axes[1], "step_s", "seconds per training step")):
+        points = sorted(best, key=lambda r: r[key])
+        for r in points:
+            ax.scatter(r[key], r["eval_loss"], color="tab:red" if r["method"] == "full" else "tab:blue")
+            ax.annotate(r["label"], (r[key], r["eval_loss"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        front, lowest = [], float("inf")
+        for r in points:
+            if r["eval_loss"] < lowest:
+                front.append(r)
+                lowest = r["eval_loss"]
+        ax.step([r[key] for r in front], [r["eval_loss"] for r in front], where="post", color="gray", alpha=0.6)
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out loss (lower is better)")
+    fig.suptitle("PEFT methods at their best learning rate: quality against cost (gray: the Pareto front)")
+    fig.tight_layout()
+    path = Path(out) / "pareto.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def pareto_front(best: list[dict], key: str) -> list[str]:
+    """The methods no other method beats on both ``key`` (a cost) and held-out loss, cheapest first."""
+    front, lowest = [], float("inf")
+    for r in sorted(best, key=lambda r: (r[key], r["eval_loss"])):
+        if r["eval_loss"] < lowest:
+            front.append(r["label"])
+            lowest = r["eval_loss"]
+    return front
+
+
+def peft_results(row: dict) -> dict:
+    """A run in the layout of peft's ``method_comparison`` results JSON (run_info, train_info, meta_info), with
+    the tiny task's figures where peft's have theirs: held-out exact match as the test accuracy, the run's largest
+    tensor memory (weights, gradients, optimizer states, saved activations: its own also when it shared a worker
+    process) where peft reports the accelerator's peak."""
+    run = read_json(Path(row["path"]) / "run.json")
+    summary = read_json(Path(row["path"]) / "summary.json")
+    config = run["config"]
+    adapter_file = Path(row["path"]) / "adapter" / "adapter_config.json"
+    parts = summary["memory"][0]["breakdown"]
+    losses = [(step, loss) for step, loss in row["loss_curve"]]
+    return {
+        "run_info": {
+            "created_at": run.get("started"),
+            "total_time": summary["runtime_s"],
+            "experiment_name": f"{method_label(row)}/{config['preset']}-lr_{row['learning_rate']:g}",
+            "train_config": {"model_id": config["preset"], "dtype": "float32" if summary["mixed_precision"] == "no"
+                             else summary["mixed_precision"], "max_seq_length": summary["max_length"],
+                             "batch_size": summary["batch_size_per_process"], "max_steps": summary["steps"],
+                             "seed": config["seed"], "optimizer_type": "AdamW",
+                             "optimizer_kwargs": {"lr": summary["learning_rate"]},
+                             "lr_scheduler": config["lr_scheduler"]},
+            "peft_config": read_json(adapter_file) if adapter_file.is_file() else None,
+            "error_msg": "",
+        },
+        "train_info": {
+            "accelerator_memory_max": sum(parts[key] for key in ("weights", "gradients", "optimizer_states",
+                                                                 "saved_activations")),
+            "train_time": summary["runtime_s"],
+            "file_size": summary["adapter_bytes"],
+            "num_trainable_params": summary["trainable_params"],
+            "num_total_params": summary["total_params"],
+            "status": "success",
+            "metrics": [{"step": step, "train loss": loss} for step, loss in losses] + [
+                {"step": summary["steps"], "test accuracy": summary["exact_match_after"],
+                 "test loss": summary["eval_loss"], "forgetting loss": summary.get("forgetting_loss_after")}],
+        },
+        "meta_info": {
+            "package_info": {f"{name}-version": version for name, version in (run.get("versions") or {}).items()},
+            "system_info": {"system": platform.system(), "machine": platform.machine(),
+                            "accelerator": summary["memory"][0]["end"].get("device", "cpu")},
+        },
+    }
