@@ -1,5 +1,6 @@
 """``python -m my_utils compare``: tables and plots from complete results folders only."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -13,12 +14,17 @@ from my_utils.run.results import Run
 CPU = [{"kind": "cpu", "index": None, "name": "Test CPU", "cores": 2, "total_memory": 8 << 30}]
 
 
+FAKE_PIDS = itertools.count(10_000)
+
+
 def fake_run(path, *, processes=1, samples_per_s=10.0, method="lora", rank=8, versions=None, commit=None,
              losses=(2.0, 1.5, 1.2), finish=True):
     """A results folder shaped like the LoRA workflow's, with ``processes`` ranks of memory figures."""
     config = {"preset": "tiny", "method": method, "rank": rank, "batch_size": 4, "num_processes": processes,
               "output_dir": str(path)}
-    fields = {"world_size": processes, "backend": "gloo" if processes > 1 else None, "devices": CPU}
+    # each run's own process, as a workflow's (runs that share one are marked: a test of its own)
+    fields = {"world_size": processes, "backend": "gloo" if processes > 1 else None, "devices": CPU,
+              "pid": next(FAKE_PIDS)}
     run = Run.create(path, config=config, command=["test"], **fields)
     if versions or commit:
         run.update(**({"versions": {**run.info["versions"], **versions}} if versions else {}),
@@ -154,6 +160,18 @@ def test_loss_curves_are_legible_at_a_glance(tmp_path):
         assert ax.get_xlabel().startswith("samples seen")  # every run reports its batch: one x-axis for all
 
 
+def test_runs_that_shared_one_process_are_marked_for_their_peak_memory(tmp_path):
+    for name in ("a", "b", "own"):
+        fake_run(tmp_path / name)
+    for name in ("a", "b"):  # a sweep's worker trained both
+        record = json.loads((tmp_path / name / "run.json").read_text())
+        (tmp_path / name / "run.json").write_text(json.dumps({**record, "pid": 4242}))
+    c = compare.compare(tmp_path)
+    rows = {row[0] for row in table(c, "Runs").rows}
+    assert rows == {"a" + compare.SHARED_MARK, "b" + compare.SHARED_MARK, "own"}, rows
+    assert any(note.startswith(compare.SHARED_MARK) and "a, b" in note for note in c.notes), c.notes
+
+
 def test_unreadable_and_summaryless_folders_are_listed(tmp_path):
     fake_run(tmp_path / "ok")
     (tmp_path / "broken").mkdir()
@@ -225,3 +243,10 @@ def test_a_real_tiny_run_is_compared(tmp_path, subprocess_env):
     assert memory.rows[0][memory.header.index("peak")] == compare.format_bytes(summary["peak_memory_bytes"])
     files = compare.write_outputs(c, tmp_path / "out")
     assert files["Peak memory per device"].is_file() and "### Memory per device" in files["markdown"].read_text()
+    # the run in the layout of peft's published method comparison
+    peft_layout = json.loads((files["peft"] / "real.json").read_text())
+    assert set(peft_layout) == {"run_info", "train_info", "meta_info"}
+    assert peft_layout["run_info"]["experiment_name"] == f"lora/tiny-lr_{summary['learning_rate']:g}"
+    assert peft_layout["run_info"]["peft_config"]["peft_type"] == "LORA"
+    assert peft_layout["train_info"]["num_trainable_params"] == summary["trainable_params"]
+    assert peft_layout["train_info"]["metrics"][-1]["test loss"] == summary["eval_loss"]

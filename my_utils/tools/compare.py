@@ -36,6 +36,7 @@ NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir", "resume", "timeo
 TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
 VERSIONS_MARK = "†"
 COMMIT_MARK = "‡"
+SHARED_MARK = "§"
 
 
 @dataclass
@@ -157,6 +158,13 @@ def provenance_marks(runs: list[dict], labels: dict[str, str]) -> tuple[dict[str
             marks[r["path"]] += COMMIT_MARK
             differences.setdefault(f"{COMMIT_MARK} other commit {str(r['run'].get('commit'))[:10]} (others "
                                    f"{str(common_commit)[:10]})", []).append(labels[r["path"]])
+    # a sweep's cells that shared a worker process (run_sweep(fresh_processes=False)): one pid on one host
+    processes = Counter((r["run"].get("host"), r["run"].get("pid")) for r in runs)
+    for r in runs:
+        if r["run"].get("pid") is not None and processes[(r["run"].get("host"), r["run"].get("pid"))] > 1:
+            marks[r["path"]] += SHARED_MARK
+            differences.setdefault(f"{SHARED_MARK} trained in a process shared with other runs: its peak memory is "
+                                   "that process's so far, not its own", []).append(labels[r["path"]])
     notes = [f"{difference}: {name_runs(names)}" for difference, names in differences.items()]
     dirty = [labels[r["path"]] for r in runs if r["run"].get("dirty")]
     if dirty:
@@ -402,7 +410,8 @@ def overview(*paths, root: Path | str | None = None, markdown: bool = False) -> 
 
 
 def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
-    """Write the plots (PNG) and the tables (comparison.md, comparison.txt) into ``out``; returns the files."""
+    """Write the plots (PNG) and the tables (comparison.md, comparison.txt) into ``out``, and each LoRA-workflow run
+    in the layout of peft's method comparison (``method_comparison/<run>.json``); returns the files."""
     from my_utils.core import plots
     from my_utils.run.results import atomic_write_text
 
@@ -416,6 +425,17 @@ def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
     if comparison.speedup_groups:
         files["Speedup against the ideal"] = plots.speedup(comparison.speedup_groups, out / "speedup.png")
     images = {title: p.name for title, p in files.items()}
+    trained = [r for r in comparison.runs if r["summary"].get("workflow") == "lora"
+               and (r["summary"].get("memory") or [{}])[0].get("breakdown")]  # what the layout's memory needs
+    if trained:  # beside peft's published method comparison, in its layout
+        from my_utils.run.results import atomic_write_json
+        from my_utils.tools.peft_methods import peft_results
+
+        files["peft"] = out / "method_comparison"
+        files["peft"].mkdir(exist_ok=True)
+        for r in trained:
+            atomic_write_json(files["peft"] / f"{comparison.labels[r['path']].replace('/', '--')}.json",
+                              peft_results(r["path"]))
     atomic_write_text(out / "comparison.md", render(comparison, markdown=True, images=images) + "\n")
     atomic_write_text(out / "comparison.txt", render(comparison, images=images) + "\n")
     return {**files, "markdown": out / "comparison.md", "text": out / "comparison.txt"}

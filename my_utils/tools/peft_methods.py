@@ -157,22 +157,26 @@ def pareto_front(best: list[dict], key: str) -> list[str]:
     return front
 
 
-def peft_results(row: dict) -> dict:
-    """A run in the layout of peft's ``method_comparison`` results JSON (run_info, train_info, meta_info), with
-    the tiny task's figures where peft's have theirs: held-out exact match as the test accuracy, the run's largest
-    tensor memory (weights, gradients, optimizer states, saved activations: its own also when it shared a worker
-    process) where peft reports the accelerator's peak."""
-    run = read_json(Path(row["path"]) / "run.json")
-    summary = read_json(Path(row["path"]) / "summary.json")
+def peft_results(folder: str | Path) -> dict:
+    """The LoRA-workflow run in ``folder`` in the layout of peft's ``method_comparison`` results JSON (run_info,
+    train_info, meta_info), with the tiny task's figures where peft's have theirs: held-out exact match as the test
+    accuracy, the run's largest tensor memory (weights, gradients, optimizer states, saved activations: its own
+    also when it shared a worker process) where peft reports the accelerator's peak."""
+    from my_utils.run.results import load_run
+
+    folder = Path(folder)
+    loaded = load_run(folder)
+    run, summary = loaded["run"], loaded["summary"]
     config = run["config"]
-    adapter_file = Path(row["path"]) / "adapter" / "adapter_config.json"
+    adapter_file = folder / "adapter" / "adapter_config.json"
     parts = summary["memory"][0]["breakdown"]
-    losses = [(step, loss) for step, loss in row["loss_curve"]]
+    label = method_label({**config, **(config.get("adapter") or {})})
+    losses = [(m["step"], m["loss"]) for m in loaded["metrics"] if "loss" in m and "step" in m]
     return {
         "run_info": {
             "created_at": run.get("started"),
             "total_time": summary["runtime_s"],
-            "experiment_name": f"{method_label(row)}/{config['preset']}-lr_{row['learning_rate']:g}",
+            "experiment_name": f"{label}/{config['preset']}-lr_{summary['learning_rate']:g}",
             "train_config": {"model_id": config["preset"], "dtype": "float32" if summary["mixed_precision"] == "no"
                              else summary["mixed_precision"], "max_seq_length": summary["max_length"],
                              "batch_size": summary["batch_size_per_process"], "max_steps": summary["steps"],
