@@ -1,7 +1,8 @@
-"""Regenerate the README's series table, fits table and GPU section, and the reference runs' tables in
-runs/reference/README.md, from the committed reference runs and the planner (never typed by hand).
+"""Regenerate the README's series table and demo time, the fits table (docs/planner.md), the GPU check
+(docs/running.md) and the reference runs' tables (runs/reference/README.md), from the committed reference runs and
+the planner (never typed by hand).
 
-    python scripts/update_readme.py     # reads runs/reference/, rewrites README.md and runs/reference/README.md
+    python scripts/update_readme.py     # reads runs/reference/, rewrites those pages in place
 
 The series table (between ``<!-- series:start -->`` and ``<!-- series:end -->``) lists every notebook with what it
 teaches and the claims its closing cell checked, with their measured figures, read from the ``claims.json`` each
@@ -34,6 +35,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 SERIES_START, SERIES_END = "<!-- series:start -->", "<!-- series:end -->"
 FITS_START, FITS_END = "<!-- fits:start -->", "<!-- fits:end -->"
 GPU_START, GPU_END = "<!-- gpu:start -->", "<!-- gpu:end -->"
+DEMO_START, DEMO_END = "<!-- demo:start -->", "<!-- demo:end -->"
 GPU_REFERENCE = REFERENCE / "gpu_x1"  # the reference GPU check
 # What each notebook teaches; what it showed comes from the reference run.
 LESSONS = {
@@ -114,6 +116,14 @@ def results_section() -> str:
     return "\n".join(parts)
 
 
+def demo_sentence() -> str:
+    """The reference demo's time, as its summary.json recorded it."""
+    demo = read_json(DEMO_REFERENCE / "demo" / "summary.json")
+    return (f"{DEMO_START}the reference run (`runs/reference/cpu_x2/demo/summary.json`) took "
+            f"{demo['total_seconds']:.0f} s for its\n{len(demo['notebook_seconds'])} notebooks on an idle 2-core "
+            f"machine{DEMO_END}")
+
+
 def series_section() -> str:
     """The series table: each notebook, what it teaches, and each claim it checked with the figure measured in
     the reference demo run ("not recorded" where the reference run has no claims file for it)."""
@@ -143,20 +153,28 @@ def gpu_section() -> str:
 
 def replace_section(text: str, start: str, end: str, section: str) -> str:
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    if not pattern.search(text):
-        raise SystemExit(f"README.md has no {start} ... {end} section to replace.")
     return pattern.sub(lambda _: section, text)
 
 
 def main() -> None:
-    readme = REPO_ROOT / "README.md"
-    text = readme.read_text(encoding="utf-8")
-    text = replace_section(text, SERIES_START, SERIES_END, series_section())
-    text = replace_section(text, FITS_START, FITS_END, "\n".join([FITS_START, fits_table(), FITS_END]))
-    text = replace_section(text, GPU_START, GPU_END, gpu_section())
-    readme.write_text(replace_section(text, START, END, RESULTS_POINTER), encoding="utf-8")
+    sections = {(SERIES_START, SERIES_END): series_section(),
+                (FITS_START, FITS_END): "\n".join([FITS_START, fits_table(), FITS_END]),
+                (GPU_START, GPU_END): gpu_section(), (START, END): RESULTS_POINTER,
+                (DEMO_START, DEMO_END): demo_sentence()}
+    pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    found = set()
+    for page in pages:  # each generated section where its markers are: the README or a page of docs/
+        text = page.read_text(encoding="utf-8")
+        for (start, end), section in sections.items():
+            if start in text:
+                text = replace_section(text, start, end, section)
+                found.add(start)
+        page.write_text(text, encoding="utf-8")
+    missing = [start for start, _ in sections if start not in found]
+    if missing:
+        raise SystemExit(f"No page has the {missing[0]} section to replace.")
     RESULTS_FILE.write_text(f"# Reference results\n\n{results_section()}\n", encoding="utf-8")
-    print("README.md series table, fits table and GPU check, and runs/reference/README.md, regenerated from",
+    print("The generated sections of README.md and docs/, and runs/reference/README.md, regenerated from",
           REFERENCE.relative_to(REPO_ROOT))
 
 

@@ -145,8 +145,9 @@ CPU_LAUNCH = "accelerate launch --config_file configs/cpu_x2.yaml"
 
 
 def readme_cpu_launchers() -> list[str]:
-    """The launchers of the README's CPU multi-process commands (the part before ``-m module ...``)."""
-    lines = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    """The launchers of the CPU multi-process commands of the README and docs/ (the part before ``-m module ...``)."""
+    pages = [REPO_ROOT / "README.md", *(REPO_ROOT / "docs").glob("*.md")]
+    lines = [line for page in pages for line in page.read_text(encoding="utf-8").splitlines()]
     return sorted({line.strip().split(" -m ")[0] for line in lines
                    if CPU_LAUNCH in line or line.strip().startswith(("torchrun", "ACCELERATE_USE_CPU=1 torchrun"))})
 

@@ -1,7 +1,8 @@
-"""The README cannot rot: every command it shows names a module, flags, values, presets and configs that exist
-(workflows' command lines are parsed, the planner and ``env`` run for real, the long-running tools' options are
-parsed), and every shell line that runs on a CPU (``--preset tiny``) runs as written, in the README's order, from
-a copy of the repository, with ``--max-steps 2`` added to keep it short."""
+"""The README and the pages of docs/ cannot rot: every command they show names a module, flags, values, presets and
+configs that exist (workflows' command lines are parsed, the planner and ``env`` run for real, the long-running
+tools' options are parsed), and every shell line that runs on a CPU (``--preset tiny``) runs as written, in each
+page's order, from a copy of the repository, with ``--max-steps 2`` added to keep it short. Their hand-written lines
+stay readable (160 characters at most), and every page of docs/ is linked from the README."""
 
 import re
 import shlex
@@ -12,11 +13,17 @@ import pytest
 from my_utils.run.results import REPO_ROOT
 
 LAUNCHERS = ("accelerate launch", "torchrun", "python -m my_utils")
+PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+GENERATED = re.compile(r"<!-- (\w+):start -->.*?<!-- \1:end -->", re.S)  # sections scripts/update_readme.py writes
+
+
+def pages_text() -> str:
+    return "\n".join(page.read_text(encoding="utf-8") for page in PAGES)
 
 
 def readme_shell_lines() -> list[str]:
-    """The lines of the README's bash blocks, in order, without comments."""
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    """The lines of the bash blocks of the README and docs/, in order, without comments."""
+    text = pages_text().replace("\\\n", " ")  # a line continued with a backslash is one line
     return [line.split("  #")[0].strip() for block in re.findall(r"```bash\n(.*?)```", text, re.S)
             for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
 
@@ -24,7 +31,7 @@ def readme_shell_lines() -> list[str]:
 def readme_commands() -> list[str]:
     """The commands of the README's bash blocks (each side of ``&&``) and of its inline code that starts with a
     launcher."""
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    text = pages_text()
     lines = [command for line in readme_shell_lines() for command in line.split(" && ")]
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     inline = [" ".join(code.split()) for code in re.findall(r"`([^`]+)`", prose)]
@@ -42,6 +49,15 @@ def split(command: str) -> tuple[str, list[str], list[str]]:
 
 
 COMMANDS = readme_commands()
+
+
+def test_every_page_of_docs_is_linked_from_the_readme_and_its_lines_are_readable():
+    readme = PAGES[0].read_text(encoding="utf-8")
+    assert [p for p in PAGES[1:] if f"](docs/{p.name})" not in readme] == [] and len(PAGES) >= 5
+    for page in PAGES:
+        written = GENERATED.sub("", page.read_text(encoding="utf-8"))
+        long = [line[:60] for line in written.splitlines() if len(line) > 160]
+        assert long == [], f"{page.name}: lines over 160 characters: {long}"
 
 
 def test_the_readme_shows_commands_of_every_kind():

@@ -89,9 +89,21 @@ def test_readme_series_table_shows_each_lessons_checked_claims(tmp_path, monkeyp
 
 
 def test_the_readme_fits_table_is_the_planners():
-    """The README's what-fits-per-card table is generated, never typed: regenerate it when the planner changes."""
+    """The planner page's what-fits-per-card table is generated, never typed: regenerate it when the planner
+    changes (python scripts/update_readme.py)."""
     from my_utils.tools.planner import fits_table
 
     update_readme = load_script("update_readme")
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    assert "\n".join([update_readme.FITS_START, fits_table(), update_readme.FITS_END]) in readme
+    page = (REPO_ROOT / "docs" / "planner.md").read_text(encoding="utf-8")
+    assert "\n".join([update_readme.FITS_START, fits_table(), update_readme.FITS_END]) in page
+
+
+def test_the_readme_demo_time_is_the_reference_runs():
+    """The demo's time in the quick start is generated from the reference demo's summary.json, never typed."""
+    from my_utils.run.results import read_json
+
+    update_readme = load_script("update_readme")
+    sentence = update_readme.demo_sentence()
+    demo = read_json(update_readme.DEMO_REFERENCE / "demo" / "summary.json")
+    assert f"took {demo['total_seconds']:.0f} s for its\n{len(demo['notebook_seconds'])} notebooks" in sentence
+    assert sentence in (REPO_ROOT / "README.md").read_text(encoding="utf-8")
