@@ -1,6 +1,7 @@
 """Test settings: offline before anything imports the hub client, and fixtures shared by the tests."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,38 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import pytest  # noqa: E402
+
+# The programs a test may start only when it is marked slow: Python (a workflow, a tool, a notebook's kernel) and the
+# launchers that start it. ``make test-fast`` runs the tests not marked slow and stays fast because of this.
+COURSE_PROGRAMS = re.compile(r"(^|[\s/])(python[\d.]*|accelerate|torchrun|jupyter)(\s|$)")
+
+
+def starts_course_process(args) -> bool:
+    """Whether ``subprocess.Popen(args)`` starts Python or one of its launchers."""
+    words = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    text = " ".join(os.fsdecode(w) if isinstance(w, bytes) else str(w) for w in words)
+    return sys.executable in text or bool(COURSE_PROGRAMS.search(text))
+
+
+@pytest.fixture(autouse=True)
+def _slow_if_it_starts_a_process(request, monkeypatch):
+    """A test not marked slow fails if it starts a Python process (see ``COURSE_PROGRAMS``)."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    started = []
+    popen_init = subprocess.Popen.__init__
+
+    def watched(self, args, *more, **options):
+        if starts_course_process(args):
+            started.append(args)
+        popen_init(self, args, *more, **options)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", watched)
+    yield
+    if started:
+        pytest.fail(f"this test started {len(started)} Python process(es) ({str(started[0])[:120]}): mark it "
+                    "@pytest.mark.slow, or call the command's main(argv) in this process", pytrace=False)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import json
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,9 +35,16 @@ def assert_one_sentence(message: str) -> None:
     assert not re.search(r"[.!?] [A-Z]", message.split(": error: ", 1)[-1]), message
 
 
-def cli(args, tmp_path: Path, env) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", *map(str, args)], env=env,
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+def cli(args, capsys) -> subprocess.CompletedProcess:
+    """``python -m my_utils.workflows.lora <args>`` as its ``main`` runs it, in this process: the exit code and what it
+    printed (every case here stops before training)."""
+    try:
+        lora.main([str(a) for a in args])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    said = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, said.out, said.err)
 
 
 def rows(n: int) -> list[dict]:
@@ -67,10 +73,9 @@ def write_rows(path: Path, items) -> Path:
     # checked on the model's config (meta device), with the data files, before the folder is created
     (["--targets", "q_proj"], "LoRA target module 'q_proj' matches nothing in GPT2LMHeadModel"),
 ])
-def test_bad_input_from_the_command_line_is_one_sentence_and_writes_nothing(tmp_path, subprocess_env, args,
-                                                                          expected):
+def test_bad_input_from_the_command_line_is_one_sentence_and_writes_nothing(tmp_path, capsys, args, expected):
     out = tmp_path / "out"
-    proc = cli(args + (["--output-dir", out] if "--resume" not in args else []), tmp_path, subprocess_env)
+    proc = cli(args + (["--output-dir", out] if "--resume" not in args else []), capsys)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "error: " in lines[0] and expected in lines[0], proc.stderr[-2000:]
@@ -79,27 +84,27 @@ def test_bad_input_from_the_command_line_is_one_sentence_and_writes_nothing(tmp_
 
 
 @pytest.mark.skipif(not launch.is_cpu_only(), reason="fp16 is refused on a CPU only")
-def test_fp16_on_a_cpu_is_refused(tmp_path, subprocess_env):
-    proc = cli(["--mixed-precision", "fp16", "--output-dir", tmp_path / "out"], tmp_path, subprocess_env)
+def test_fp16_on_a_cpu_is_refused(tmp_path, capsys):
+    proc = cli(["--mixed-precision", "fp16", "--output-dir", tmp_path / "out"], capsys)
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("lora: error: fp16 mixed precision needs a GPU; on a CPU use --mixed-precision "
                                    "bf16 or no.")
     assert not (tmp_path / "out").exists()
 
 
-def test_an_existing_results_folder_is_refused_before_anything_loads(tmp_path, subprocess_env):
+def test_an_existing_results_folder_is_refused_before_anything_loads(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
-    proc = cli(["--output-dir", tmp_path / "taken"], tmp_path, subprocess_env)
+    proc = cli(["--output-dir", tmp_path / "taken"], capsys)
     assert proc.returncode == 2 and "already exists and is never overwritten" in proc.stderr
     assert_one_sentence(proc.stderr)
     assert list((tmp_path / "taken").iterdir()) == []
 
 
-def test_resume_without_a_checkpoint_stops_and_leaves_the_folder_as_it_was(tmp_path, subprocess_env):
+def test_resume_without_a_checkpoint_stops_and_leaves_the_folder_as_it_was(tmp_path, capsys):
     run = Run.create(tmp_path / "crashed", config={"preset": "tiny"}, world_size=1)
     run.fail("RuntimeError: before the first checkpoint")
     before = {p.name: p.read_bytes() for p in run.path.iterdir()}
-    proc = cli(["--resume", "--output-dir", run.path], tmp_path, subprocess_env)
+    proc = cli(["--resume", "--output-dir", run.path], capsys)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "There is no checkpoint in" in proc.stderr and "rerun without --resume" in proc.stderr
     assert_one_sentence(proc.stderr.strip().splitlines()[-1])
@@ -228,6 +233,7 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, status, config, resume
     assert (folder / "run.json").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_running_run_is_refused_while_its_writer_lives_and_reads_as_crashed_once_it_is_gone(tmp_path,
                                                                                                 held_elsewhere):
     from my_utils.run.results import load_run, release_folder

@@ -17,6 +17,7 @@ from my_utils.tools import bench
 from my_utils.run.launch import REPO_ROOT
 
 
+@pytest.mark.slow
 def test_every_benchmark_module_is_found_and_listed(subprocess_env):
     # The names are read from the files, not through the harness: a module it failed to find would be missing from
     # its list and from --help alike.
@@ -74,6 +75,7 @@ def test_ratio_rows_and_table():
     assert "workflow against bare loop" in table and "loop against matmul peak" in table
 
 
+@pytest.mark.slow
 def test_model_flops_count_lora_backward_without_base_weight_gradients(subprocess_env):
     # In a fresh process: building a LoRA model imports peft, which must stay out of the test process.
     code = (
@@ -144,6 +146,7 @@ def test_quick_run_writes_results_folders_with_every_ratio(tmp_path, subprocess_
     assert all(abs(r - 1) <= 0.15 for ratios in memory["planned_over_measured"].values() for r in ratios.values())
 
 
+@pytest.mark.slow
 def test_a_folder_left_by_a_stopped_bench_is_replaced_and_nothing_else_is(tmp_path, capsys, held_elsewhere):
     from my_utils.run.results import Run, release_folder
     from my_utils.tools.bench.harness import benchmark_folder
@@ -171,6 +174,7 @@ def test_a_folder_left_by_a_stopped_bench_is_replaced_and_nothing_else_is(tmp_pa
     assert benchmark_folder(tmp_path, "memory") == tmp_path / "memory_2"
 
 
+@pytest.mark.slow
 def test_alternate_adds_repeats_until_settled_or_the_cap(tmp_path):
     from my_utils.tools.bench.harness import alternate, paired_ratio
 

@@ -101,6 +101,7 @@ def test_run_json_records_every_default_resolved(tmp_path, subprocess_env):
     assert 0 < config["max_length"] <= 128 and run["summary"]["effective_batch"] == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [
     (["--eval-steps", "0"], "classification: error: --eval-steps must be a positive integer, got 0."),
     (["--eval-every", "5"], "unrecognized arguments: --eval-every 5; see --help."),

@@ -203,6 +203,7 @@ def test_markdown_and_output_folder(results, tmp_path):
     assert not list((tmp_path / "out").glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_command_line(results, tmp_path):
     out = subprocess.run([sys.executable, "-m", "my_utils", "compare", str(results), "--output-dir", str(tmp_path / "o")],
                          capture_output=True, text=True, check=True)

@@ -161,6 +161,7 @@ def test_every_shown_cpu_launch_sets_accelerate_use_cpu():
         assert text.count(CPU_LAUNCH) == text.count(f"ACCELERATE_USE_CPU=1 {CPU_LAUNCH}"), path
 
 
+@pytest.mark.slow
 def test_accelerate_test_passes_with_two_processes_on_the_cpu(subprocess_env):
     """accelerate's own check, through the shipped CPU config as the README launches it."""
     env = {k: v for k, v in subprocess_env.items() if k != "ACCELERATE_USE_CPU"}

@@ -42,6 +42,7 @@ def test_bad_config_files_are_one_sentence(tmp_path):
         env.read_accelerate_config(tmp_path / "list.yaml")
 
 
+@pytest.mark.slow
 def test_json_output(subprocess_env):
     out = subprocess.run([sys.executable, "-m", "my_utils", "env", "--json"], env=subprocess_env,
                          capture_output=True, text=True, check=True).stdout

@@ -85,6 +85,7 @@ def test_published_peaks_tell_the_h100_variants_apart():
     assert gpucheck.published_peak("Intel(R) Xeon(R) Processor") is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [
     (["--collect", "configs"], "configs holds no finished GPU check (its summary.json is missing or not a check's); "
                                "name the folder a `python -m my_utils gpucheck` run wrote."),
@@ -98,6 +99,7 @@ def test_bad_input_is_one_sentence_and_exit_2(args, expected, tmp_path, subproce
     assert not (tmp_path / "check").exists()
 
 
+@pytest.mark.slow
 def test_an_existing_folder_is_never_overwritten(tmp_path, subprocess_env):
     (tmp_path / "check").mkdir()
     (tmp_path / "check" / "keep.txt").write_text("mine")

@@ -5,6 +5,8 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import my_utils
 
 MODULES = sorted(m.name for m in pkgutil.walk_packages(my_utils.__path__, "my_utils.") if m.name != "my_utils.__main__")
@@ -15,6 +17,7 @@ def test_every_module_is_listed():
     assert {"my_utils.core.printing", "my_utils.run.results", "my_utils.workflows.lora", "my_utils.run.launch"} <= set(MODULES)
 
 
+@pytest.mark.slow
 def test_importing_helpers_imports_nothing_heavy(subprocess_env):
     code = (
         "import sys, importlib\n"

@@ -149,6 +149,7 @@ def test_a_successful_run_ends_its_process_group_and_a_failed_one_keeps_it():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, code", [("pass", 0), ("raise SystemExit(2)", 2), ("raise SystemExit(None)", 0)])
 def test_a_script_ending_without_teardown_keeps_its_output_and_its_exit_code(subprocess_env, body, code):
     import subprocess
@@ -160,6 +161,7 @@ def test_a_script_ending_without_teardown_keeps_its_output_and_its_exit_code(sub
     assert (proc.returncode, proc.stdout) == (code, "written")  # buffered output is flushed before the exit
 
 
+@pytest.mark.slow
 def test_run_command_passes_carriage_returns_through_and_names_the_failure(capsys):
     """A progress bar redraws in place (its carriage returns reach the notebook), and a failure quotes the last
     lines as they finally read, not every redraw."""
@@ -252,6 +254,7 @@ def test_more_processes_than_cores_are_refused_before_the_group_forms(monkeypatc
         lifecycle.join_world(None)
 
 
+@pytest.mark.slow
 def test_before_the_group_forms_the_first_rank_to_find_an_error_alone_reports_it(monkeypatch, tmp_path):
     """Whichever rank finds it first (the launcher stops the others when one exits), once per launch."""
     import subprocess
@@ -273,6 +276,7 @@ def test_before_the_group_forms_the_first_rank_to_find_an_error_alone_reports_it
     assert first_to_say("bad option")
 
 
+@pytest.mark.slow
 def test_a_logged_command_shows_one_line_and_keeps_its_output(tmp_path, capsys):
     log = tmp_path / "lesson" / "run.log"
     done = launch.run_command([sys.executable, "-c", "print('step 1'); print('step 2')"], echo=False, log=log)

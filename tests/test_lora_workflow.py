@@ -58,6 +58,7 @@ def test_bad_config_is_one_sentence(changes, message):
         lora.validate(lora.Config(**changes))
 
 
+@pytest.mark.slow
 def test_existing_output_dir_is_refused_and_left_alone(tmp_path, subprocess_env):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
@@ -194,6 +195,7 @@ def test_two_processes_of_8_and_4_accumulation_steps_of_4_train_like_one_process
     assert load_run(two)["summary"]["eval_loss"] == pytest.approx(load_run(one)["summary"]["eval_loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_a_dora_run_trains_from_its_config_file_and_records_dora(tmp_path, subprocess_env):
     """DoRA is a peft config file (configs/peft/dora.json): it reaches peft, run.json, summary.json and the saved
     adapter. run.json's config records what ran: no default left as null, the resolved peft config whole."""

@@ -119,6 +119,7 @@ def test_tensor_parallel_output_equals_the_plain_model(tmp_path, subprocess_env)
     assert s["local_shapes"][1][down] == [s["full_shapes"][down][0], s["full_shapes"][down][1] // 2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [
     (["--seq-len", "32"], "unrecognized arguments: --seq-len 32; see --help."),
     (["--max-steps", "0"], "pipeline: error: --max-steps must be a positive integer, got 0."),

@@ -155,6 +155,7 @@ def test_the_readme_cpu_lines_run_as_written(repository_copy, subprocess_env):
         assert sorted(json.loads(p.read_text())["world_size"] for p in workers.glob("rank_*.json")) == [2, 2]
 
 
+@pytest.mark.slow
 def test_the_readme_multi_node_line_stops_at_the_shipped_placeholder_in_seconds(subprocess_env):
     import subprocess
     import sys

@@ -98,6 +98,7 @@ def _writer(folder, then: str):
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_the_writer_lock_tells_a_live_run_from_a_dead_one_whatever_its_pid(tmp_path):
     from my_utils.run.lifecycle import check_resumable
 

@@ -44,6 +44,7 @@ def test_pooled_noise_judges_single_runs():
         pooled_noise([[1.0]])
 
 
+@pytest.mark.slow
 def test_seeds_run_side_by_side_each_into_its_folder(tmp_path, capsys):
     script = ("import sys; from my_utils.run.results import Run; seed = int(sys.argv[2]); "
               "print('training seed', seed); Run.create(sys.argv[1], config={'seed': seed}).finish({'x': 10 * seed})")

@@ -120,6 +120,7 @@ def test_bad_input_is_one_sentence(spec, message):
         sweep.SweepSpec(**spec)
 
 
+@pytest.mark.slow
 def test_bad_input_on_the_command_line_writes_nothing(tmp_path, subprocess_env):
     out = tmp_path / "sweep"
     # one small cell, should the check ever let it through (--max-steps 0 once ran the default 250 steps)
@@ -334,6 +335,7 @@ def test_a_data_file_value_names_a_safe_folder_and_its_file_is_never_touched(tmp
     assert len(sweep.cell_name({"data_file": "x" * 300})) <= sweep.LONGEST_NAME
 
 
+@pytest.mark.slow
 def test_one_sweep_per_folder_and_secrets_stay_out_of_its_record(tmp_path, monkeypatch, held_elsewhere):
 
     secret = "hf_" + "s3cr3t" * 4
@@ -352,6 +354,7 @@ def test_one_sweep_per_folder_and_secrets_stay_out_of_its_record(tmp_path, monke
     assert secret not in (out / "sweep.json").read_text() and "<redacted>" in (out / "sweep.json").read_text()
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_running_cells_and_says_how_to_go_on(tmp_path, monkeypatch):
     import signal
     import subprocess
