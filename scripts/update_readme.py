@@ -45,7 +45,7 @@ LESSONS = {
     "02_ddp": ("DDP", "process groups, `DistributedSampler` + `set_epoch`, gradient all-reduce; raw torch and the "
                "Trainer under `torchrun`"),
     "03_accelerate": ("accelerate", "a plain loop turned into an accelerate loop one feature at a time "
-                      "(`# New Code #`)"),
+                      "(`# New Code #`); `accelerate config`, `accelerate env` and the config file a launch reads"),
     "04_lora": ("LoRA", "adapters, trainable parameters, LoRA beside full fine-tuning, adapter size, merging"),
     "05_lora_ddp": ("LoRA + DDP", "one function, two launchers; per-rank device map and memory; the learning-rate "
                     "rule for a bigger batch, measured; speed and quality against one process"),
