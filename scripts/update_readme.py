@@ -46,7 +46,8 @@ LESSONS = {
                "Trainer under `torchrun`"),
     "03_accelerate": ("accelerate", "a plain loop turned into an accelerate loop one feature at a time "
                       "(`# New Code #`); `accelerate config`, `accelerate env` and the config file a launch reads"),
-    "04_lora": ("LoRA", "adapters, trainable parameters, LoRA beside full fine-tuning, adapter size, merging"),
+    "04_lora": ("LoRA", "adapters, trainable parameters, LoRA beside full fine-tuning, a run in TensorBoard, adapter "
+                "size, merging"),
     "05_lora_ddp": ("LoRA + DDP", "one function, two launchers; per-rank device map and memory; the learning-rate "
                     "rule for a bigger batch, measured; speed and quality against one process"),
     "06_qlora": ("QLoRA", "8-bit and 4-bit NF4 base weights, the memory breakdown against the arithmetic, quality "

@@ -95,7 +95,9 @@ def test_run_json_records_every_default_resolved(tmp_path, subprocess_env):
     run = load_run(out)
     config = run["run"]["config"]
     assert run["run"]["status"] == "complete"
-    assert _nulls(config) == [], _nulls(config)
+    # null only where it means "none": no adapter file (LoRA from its flags), the resolved config in "peft"
+    assert _nulls(config) == ["adapter.adapter_config"], _nulls(config)
+    assert config["adapter"]["peft"]["peft_type"] == "LORA" and config["adapter"]["peft"]["r"] == config["adapter"]["rank"]
     assert config["batch_size"] == 16 and config["learning_rate"] == 3e-3 and config["num_processes"] == 1
     assert config["adapter"]["alpha"] == 16 and config["adapter"]["targets"] == ["query", "value"]
     assert 0 < config["max_length"] <= 128 and run["summary"]["effective_batch"] == 16

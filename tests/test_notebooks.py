@@ -13,6 +13,7 @@ from my_utils.tools.demo import declared_parameters, execute_notebook, notebooks
 MUTATIONS = {
     "01_data_parallel": ["gradient_gap = one_copy_gap  # the copies' gradients not summed"],
     "03_accelerate": ["filled_in['no_file'] = filled_in['default_file']  # a launch that reads no default config"],
+    "04_lora": ["board = {step: loss * 1.01 for step, loss in board.items()}  # a dashboard with other numbers"],
     "05_lora_ddp": [
         "against_one['none'] = difference([1.30, 1.31, 1.29], [1.30, 1.32, 1.28])  # half the steps cost nothing",
         "cpu_ratio = 0.95  # two processes no faster",

@@ -132,13 +132,13 @@ def test_a_sweep_in_worker_processes_gives_each_cell_the_results_of_its_own_proc
     spec = SweepSpec(preset="tiny", args={"max_steps": 3, "batch_size": 4, "eval_rows": 4, "logging_steps": 1,
                                           "skip_generation_eval": True},
                      grids=[{"adapter_config": [str(REPO_ROOT / "configs" / "peft" / "ia3.json")],
-                             "learning_rate": [0.01, 0.1]}, {"learning_rate": [0.004]}])
+                             "learning_rate": [0.1]}, {"learning_rate": [0.004]}])
     fresh = run_sweep(spec, tmp_path / "fresh", steady_memory=False)
     shared = run_sweep(spec, tmp_path / "shared", steady_memory=False, fresh_processes=False)
-    assert [r["name"] for r in fresh] == [r["name"] for r in shared] and len(shared) == 3
+    assert [r["name"] for r in fresh] == [r["name"] for r in shared] and len(shared) == 2
     for a, b in zip(fresh, shared):
         assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6), (a["name"], a["eval_loss"], b["eval_loss"])
         assert [loss for _, loss in a["loss_curve"]] == pytest.approx([loss for _, loss in b["loss_curve"]], rel=1e-6)
         assert (Path(b["path"]) / "output.log").is_file()
-    assert len({r["pid"] for r in fresh}) == 3 and len({r["pid"] for r in shared}) == 1
+    assert len({r["pid"] for r in fresh}) == 2 and len({r["pid"] for r in shared}) == 1
     assert os.getpid() not in {r["pid"] for r in shared}
