@@ -81,7 +81,7 @@ def loss_figure(runs: list[dict], labels: dict[str, str]):
     from matplotlib.ticker import MaxNLocator
 
     panels = loss_panels(runs, labels)
-    columns = min(3, len(panels))
+    columns = min(4, len(panels))  # four across: a whole series of lessons stays within a screen's height or two
     rows = -(-len(panels) // columns)
     fig = new_figure(4.5 * columns, 3.6 * rows)
     axes = fig.subplots(rows, columns, squeeze=False).flatten()

@@ -243,7 +243,6 @@ def train(cfg: Config) -> dict:
     from my_utils.core.chunked_loss import use_chunked_loss
     from my_utils.core.data import padding_collator
     from my_utils.core.devices import per_rank_device, per_rank_device_map
-    from my_utils.core.evaluation import held_out_loss
     from my_utils.core.models import add_adapter, build_causal_lm, count_parameters
     from my_utils.core.printing import print0
     from my_utils.run.callbacks import TokenCounter, make_callbacks
@@ -282,25 +281,18 @@ def train(cfg: Config) -> dict:
         trainer = Trainer(model=model, args=training_arguments(cfg, life.folder, learning_rate),
                           train_dataset=inputs["train_set"], eval_dataset=inputs["eval_set"],
                           data_collator=counter, callbacks=[c for c in callbacks if c])
-        # The base model's held-out loss, as evaluate() reports it; a resumed run recorded it when it first started.
-        eval_loss_before = None if life.checkpoint else held_out_loss(
-            model, inputs["eval_set"], padding_collator(tokenizer), cfg.batch_size, _autocast_dtype(cfg))
-
-        def forgetting_loss():  # the loss on pretraining-style rows, if given
-            if inputs["forgetting_set"] is None:
-                return None
-            return held_out_loss(trainer.model, inputs["forgetting_set"], padding_collator(tokenizer), cfg.batch_size,
-                                 _autocast_dtype(cfg))
-
-        forgetting_before = None if life.checkpoint else forgetting_loss()
+        # The base model's losses, held out and on pretraining-style rows; a resumed run recorded them at its start.
+        before_losses = {} if life.checkpoint else {key: _loss_on(model, inputs[key], tokenizer, cfg)
+                                                    for key in ("eval_set", "forgetting_set")}
         result, runtime = _fit(trainer, life.checkpoint, reliability["stop"], world_size, cfg.timeout_s)
         measured = {
             "chunked_loss": chunked_loss, "runtime": runtime, "params": params, "learning_rate": learning_rate,
             "memory": memory_cb.report,
             "tokens": sum(life.gather(counter.tokens) or [0]),
             "first_batches": life.gather(counter.previews[0] if counter.previews else None),
-            "eval_loss_before": eval_loss_before, "eval": trainer.evaluate(), "before": before,
-            "forgetting_loss_before": forgetting_before, "forgetting_loss_after": forgetting_loss(),
+            "eval_loss_before": before_losses.get("eval_set"), "eval": trainer.evaluate(), "before": before,
+            "forgetting_loss_before": before_losses.get("forgetting_set"),
+            "forgetting_loss_after": _loss_on(trainer.model, inputs["forgetting_set"], tokenizer, cfg),
             "after": _generation_eval(cfg, trainer.model, tokenizer, eval_rows),
         }
         summary = None
@@ -417,6 +409,16 @@ def _save_adapter(model, folder: Path) -> int:
     """Save the adapter (safetensors) in ``folder``/adapter; returns the size of its weights file in bytes."""
     model.save_pretrained(folder / "adapter", safe_serialization=True)
     return (folder / "adapter" / "adapter_model.safetensors").stat().st_size
+
+
+def _loss_on(model, examples, tokenizer, cfg: Config) -> float | None:
+    """``model``'s loss on ``examples`` as ``Trainer.evaluate()`` reports it (``held_out_loss``); None without them."""
+    from my_utils.core.data import padding_collator
+    from my_utils.core.evaluation import held_out_loss
+
+    if examples is None:
+        return None
+    return held_out_loss(model, examples, padding_collator(tokenizer), cfg.batch_size, _autocast_dtype(cfg))
 
 
 def _autocast_dtype(cfg: Config):
