@@ -20,7 +20,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -r requirements.txt
 	# the course, and two extras: TensorBoard (the tests read the event files of --report-to tensorboard back) and
-	# DeepSpeed (lesson 09 runs its ZeRO-2 and 3 beside FSDP2's)
+	# DeepSpeed (lesson 10 runs its ZeRO-2 and 3 beside FSDP2's)
 	$(PY) -m pip install --quiet -e ".[tensorboard,deepspeed]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@

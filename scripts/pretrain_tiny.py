@@ -74,7 +74,7 @@ ENCODER = {  # RoBERTa architecture and masked-LM + bag-of-words recipe
     "classification_repeats": 4,  # the 2,000 classification sentences are short: show each one this many times
     # The bag of words at <s>: its loss is added with this weight, and each word counts idf**power (its inverse
     # document frequency, raised), so the rare words that tell texts apart, such as a sentence's topic words,
-    # dominate and words in every text (<s>, </s>) count for nothing. Measured on lesson 10's task after 150 steps:
+    # dominate and words in every text (<s>, </s>) count for nothing. Measured on lesson 11's task after 150 steps:
     # with weight 1 and plain idf, <s> stays as uninformative as with masked-LM alone and LoRA stays at chance; with
     # these values LoRA ends about 0.03 below full fine-tuning.
     "bag_of_words_weight": 3.0,

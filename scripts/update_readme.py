@@ -55,19 +55,22 @@ LESSONS = {
     "07_rank_sweep": ("rank sweep", "what a bigger LoRA rank buys and costs, rank apart from scaling and learning "
                       "rate; one fresh process per run"),
     "08_model_pipeline_parallel": ("model and pipeline parallel", "a balanced layer split, its idle time, a GPipe "
-                                   "schedule with `torch.distributed.pipelining`, tensor parallel"),
-    "09_sharding": ("sharded data parallel", "ZeRO-1, 2 and 3 (`ZeroRedundancyOptimizer`, FSDP2 `fully_shard`) beside "
+                                   "schedule with `torch.distributed.pipelining`"),
+    "09_tensor_parallel": ("tensor and sequence parallel", "Megatron's column and row splits with `parallelize_module` "
+                           "on a tiny Llama: one step equal to the whole model's, the collectives counted against the "
+                           "arithmetic, parameters and activations per process"),
+    "10_sharding": ("sharded data parallel", "ZeRO-1, 2 and 3 (`ZeroRedundancyOptimizer`, FSDP2 `fully_shard`) beside "
                     "DDP: same losses, memory per process measured against the formulas, communication per step; LoRA "
                     "on a sharded base, its adapter saved whole"),
-    "10_classification": ("classification", "full vs LoRA on one device, with DDP and as a pipeline"),
-    "11_traps": ("traps", "failures people hit in distributed fine-tuning, each sprung and cured: loss "
+    "11_classification": ("classification", "full vs LoRA on one device, with DDP and as a pipeline"),
+    "12_traps": ("traps", "failures people hit in distributed fine-tuning, each sprung and cured: loss "
                  "normalisation, checkpointing a frozen base, reentrant checkpointing under DDP, sharded adapter saves, "
                  "an upcast frozen base, `device_map=\"auto\"` under DDP, `notebook_launcher` refusing, evaluating "
                  "before training"),
-    "12_peft_methods": ("PEFT methods", "LoRA, DoRA, IA3, prompt, P- and prefix tuning, VeRA and LN tuning beside full "
+    "13_peft_methods": ("PEFT methods", "LoRA, DoRA, IA3, prompt, P- and prefix tuning, VeRA and LN tuning beside full "
                         "fine-tuning, each a peft config file at its better learning rate: quality, parameters, "
                         "step time, forgetting, merging"),
-    "13_compare": ("compare runs", "tables and plots from results folders, the memory planner beside measurement"),
+    "14_compare": ("compare runs", "tables and plots from results folders, the memory planner beside measurement"),
 }
 
 

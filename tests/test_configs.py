@@ -123,7 +123,7 @@ def test_deepspeed_json_leaves_script_values_to_auto(json_name):
 
 
 def test_the_shipped_sharding_configs_do_what_the_sharding_lesson_teaches():
-    """Lesson 09: ZeRO-3 gathers a block's weights for its use and frees them after (FSDP2's reshard_after_forward;
+    """Lesson 10: ZeRO-3 gathers a block's weights for its use and frees them after (FSDP2's reshard_after_forward;
     DeepSpeed's live-parameter and reuse limits at 0, which the lesson's own runs use), ZeRO-2 keeps the gradients
     sharded. DeepSpeed's defaults (1e9 each) would keep every gathered weight of a smaller model."""
     import yaml

@@ -163,7 +163,7 @@ def test_auto_mixed_precision_is_bf16_only_where_faster(monkeypatch, cuda, cpu_f
 def test_two_processes_of_8_and_4_accumulation_steps_of_4_train_like_one_process_of_16(tmp_path, subprocess_env):
     """The loss is normalised by the whole batch's tokens, across ranks and accumulation steps: on padded examples
     of different lengths, 2 processes x 8, 1 x 16 and 4 accumulated micro-batches x 4 give the same losses, step by
-    step (averaging each part's mean loss would not: lesson 11), and DDP really averages the adapters' gradients (a
+    step (averaging each part's mean loss would not: lesson 12), and DDP really averages the adapters' gradients (a
     run whose ranks trained apart would drift from the second step on)."""
     common = ["--preset", "tiny", "--max-steps", "6", "--logging-steps", "1", "--eval-rows", "16",
               "--skip-generation-eval", "--mixed-precision", "no"]
@@ -191,7 +191,7 @@ def test_two_processes_of_8_and_4_accumulation_steps_of_4_train_like_one_process
     for run in (two, accumulated):  # each step's loss is taken at the weights the steps before it left
         assert losses(run) == pytest.approx(losses(one), rel=1e-4)
     # the held-out loss, evaluated in the same batches of 16 rows (8 per rank); the accumulated run evaluates in
-    # batches of 4, and the Trainer's eval_loss is a mean of batch means, lesson 11's first trap
+    # batches of 4, and the Trainer's eval_loss is a mean of batch means, lesson 12's first trap
     assert load_run(two)["summary"]["eval_loss"] == pytest.approx(load_run(one)["summary"]["eval_loss"], rel=1e-4)
 
 

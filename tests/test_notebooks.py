@@ -27,19 +27,23 @@ MUTATIONS = {
         "rank_gain = noise.difference(1.6, 1.0)  # the largest rank far better at its best rate",
     ],
     "08_model_pipeline_parallel": ["pipes[4] = pipes[1]  # micro-batches that do not overlap the stages"],
-    "09_sharding": ["results['zero3']['memory'][1] = results['ddp']['memory'][1]  # rank 1 holding DDP's memory"],
-    "10_classification": ["runs['lora', 'pipeline']['accuracy_after'] = 0.5  # LoRA that does not learn"],
-    "11_traps": [
+    "09_tensor_parallel": [
+        "runs['tp']['collectives']['backward'] = {'all_reduce': 21}  # every projection summing its own gradient",
+        "runs['tp+sp']['saved_activation_bytes'] = runs['tp']['saved_activation_bytes']  # sequence parallel saving nothing",
+    ],
+    "10_sharding": ["results['zero3']['memory'][1] = results['ddp']['memory'][1]  # rank 1 holding DDP's memory"],
+    "11_classification": ["runs['lora', 'pipeline']['accuracy_after'] = 0.5  # LoRA that does not learn"],
+    "12_traps": [
         "gaps[4]['trap'] = gaps[4]['cure']  # averaging means that changes nothing",
         "first['trap']['adapter_spread'] = 0.0  # ranks that stayed in step after evaluating first",
         "saved['trap']['elements'] = saved['expected_elements']  # a naive save that wrote the whole adapter",
     ],
-    "12_peft_methods": [
+    "13_peft_methods": [
         "forgot['full'] = forgot['lora']  # full fine-tuning that forgets no more than LoRA",
         "by['lora+all-linear'] = by['lora']  # placement that changes nothing",
         "counted['ia3'] = (counted['ia3'][0] + 1, counted['ia3'][1])  # a planner count one off peft's",
     ],
-    "13_compare": ["part_ratios.append(1.3)  # a part the planner misses by 30%"],
+    "14_compare": ["part_ratios.append(1.3)  # a part the planner misses by 30%"],
 }
 
 

@@ -183,6 +183,24 @@ def padding_collator(tokenizer):
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
 
 
+
+def token_blocks(preset, tokenizer, n_blocks: int, max_length: int):
+    """``n_blocks`` sequences of ``max_length`` tokens cut from the preset's instruction texts laid end to end
+    (no padding, so every micro-batch has the same shape and the same number of tokens)."""
+    import torch
+
+    rows, _ = load_instructions(preset.instruction_data)
+    stream: list[int] = []
+    for row in rows:
+        stream += tokenizer(format_example(row, tokenizer.eos_token), add_special_tokens=False)["input_ids"]
+        if len(stream) >= n_blocks * max_length:
+            break
+    if len(stream) < n_blocks * max_length:
+        raise UserError(f"The data holds {len(stream)} tokens, fewer than {n_blocks} x {max_length}; "
+                        "lower --max-steps or --max-length.")
+    return torch.tensor(stream[: n_blocks * max_length]).view(n_blocks, max_length)
+
+
 if __name__ == "__main__":
     train, evaluation = load_instructions("tiny")
     print(f"tiny instruction data: {len(train)} train rows, {len(evaluation)} eval rows\n")

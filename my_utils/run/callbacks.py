@@ -108,6 +108,18 @@ def optimizer_state_bytes(optimizer) -> int:
     return tensor_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))
 
 
+def _stored(tensor) -> list:
+    """The plain tensors that hold ``tensor``'s data on this process: a wrapper subclass (a DTensor's local shard,
+    a pending collective's result) is unwrapped, any other tensor is itself."""
+    import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    inner = (getattr(tensor, name) for name in tensor.__tensor_flatten__()[0])
+    return [t for x in inner if torch.is_tensor(x) for t in _stored(x)]
+
+
 class SavedActivations:
     """Counts the bytes autograd keeps for backward (the activations) during one forward pass, parameters
     excluded; each storage counts once, and counting stops when backward starts::
@@ -127,7 +139,7 @@ class SavedActivations:
         import torch
 
         self.model = model
-        self.parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.parameter_storages = {t.untyped_storage().data_ptr() for p in model.parameters() for t in _stored(p)}
         self.seen = set()
         self.bytes = 0
         self.backward_started = False
@@ -137,10 +149,10 @@ class SavedActivations:
         self._forward_hook = None
 
     def _count(self, tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self.seen and storage.data_ptr() not in self.parameter_storages:
-            self.seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
+        for storage in (t.untyped_storage() for t in _stored(tensor)):
+            if storage.data_ptr() not in self.seen and storage.data_ptr() not in self.parameter_storages:
+                self.seen.add(storage.data_ptr())
+                self.bytes += storage.nbytes()
 
     def _pack(self, tensor):
         if not self.backward_started:

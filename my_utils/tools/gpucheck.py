@@ -45,7 +45,7 @@ PUBLISHED_BF16_PEAK = (("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100 NVL",
 PLANNER_TOLERANCE = 0.15  # each part of a step's tensors against the plan, as the memory benchmark checks it
 QUALITY_RUNS = ("lora", "qlora_8bit", "qlora_4bit")
 EXTRA_SEEDS = (1, 2)  # beside the default seed 0
-ONE_GPU_REASON = ("the lessons on several processes (02, 03, 05, 08, 09, 10's DDP and pipeline) need a device per "
+ONE_GPU_REASON = ("the lessons on several processes (02, 03, 05, 08, 09, 10, 11's DDP and pipeline) need a device per "
                   "process for nccl; on one GPU they run as make test runs them, over gloo on the CPU")
 
 

@@ -30,7 +30,7 @@ tensors (``compare_with_run``):
   logits, or the plain loss's gradients over the vocabulary (and with gradient checkpointing, the one layer being
   recomputed).
 
-With ``--zero`` the data-parallel processes shard what DDP replicates (ZeRO, as lesson 09 measures it with torch's
+With ``--zero`` the data-parallel processes shard what DDP replicates (ZeRO, as lesson 10 measures it with torch's
 ZeroRedundancyOptimizer and FSDP2): stage 1 divides the optimizer states by the number of processes, stage 2 also the
 gradients and the stored weights, but gathers every weight whole from forward to backward (FSDP2's
 ``reshard_after_forward=False``), stage 3 gathers only the unit at work: the root (embeddings, norms outside the

@@ -216,7 +216,7 @@ class Staged:
         import torch
         import torch.nn.functional as F
 
-        from my_utils.workflows.pipeline import make_schedule, pipeline_stage
+        from my_utils.workflows.pipeline_parallel import make_schedule, pipeline_stage
 
         self.device, self.eval_set, self.eval_batch = device, eval_set, cfg.batch_size
         self.last = world_size - 1  # the last stage computes the loss and the predictions
@@ -274,7 +274,7 @@ def train(cfg: Config) -> dict:
     from my_utils.core.printing import print0
     from my_utils.run.callbacks import gradient_bytes, memory_breakdown, model_weight_bytes, optimizer_state_bytes
     from my_utils.run.lifecycle import join_world, run_lifecycle
-    from my_utils.workflows.pipeline import disable_dropout
+    from my_utils.workflows.pipeline_parallel import disable_dropout
 
     preset = validate(cfg)
     world_size = join_world(cfg.num_processes, cfg.timeout_s)

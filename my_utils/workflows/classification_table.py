@@ -1,6 +1,6 @@
 """The full-vs-LoRA x one-device/DDP/pipeline table of the classification lesson, built from results folders only.
 
-    python -m my_utils.workflows.classification_table runs/notebooks/10_classification
+    python -m my_utils.workflows.classification_table runs/notebooks/11_classification
     python -m my_utils.workflows.classification_table runs/classification --markdown
 
 Only complete runs of the classification workflow enter the table; each row says which folder it came from.

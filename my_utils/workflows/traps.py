@@ -16,7 +16,7 @@
 
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.traps --preset tiny
 
-Each trap records what the trap gave and what the cure gave (summary.json); lesson 11 (traps) reads them.
+Each trap records what the trap gave and what the cure gave (summary.json); lesson 12 (traps) reads them.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def checkpointed_ddp(model, reentrant: bool):
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=impl)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
                                    check_fn=lambda module: isinstance(module, block))
-    model.enable_input_require_grads()  # reentrant checkpointing needs inputs that require grad (lesson 11, trap 2)
+    model.enable_input_require_grads()  # reentrant checkpointing needs inputs that require grad (lesson 12, trap 2)
     return DistributedDataParallel(model, find_unused_parameters=True)
     # endregion
 

@@ -1,19 +1,13 @@
-"""Pipeline parallelism with micro-batches, and tensor parallelism, on two or more processes.
+"""Pipeline parallelism with micro-batches on two or more processes (tensor parallel: ``tensor_parallel``).
 
     # a shell, 2 processes on a CPU (gloo): each process holds one stage of the tiny causal LM
-    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.pipeline --preset tiny
-    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.pipeline --preset tiny --schedule 1f1b
-    # tensor parallelism: every process holds half of each feed-forward matrix of the tiny encoder
-    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.pipeline --preset tiny --mode tensor
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.pipeline_parallel --preset tiny
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.pipeline_parallel --preset tiny --schedule 1f1b
 
-``--mode pipeline`` cuts the model into one stage per process with ``balanced_layer_split`` (stages of about equal
+The workflow cuts the model into one stage per process with ``balanced_layer_split`` (stages of about equal
 parameter counts), traces it with ``torch.distributed.pipelining.pipeline`` and runs a schedule (GPipe or 1F1B)
 over micro-batches. It first checks that the pipelined forward gives the plain model's output, then trains a few
 steps and records what every stage did when: the timeline of the last step shows the pipeline's bubble.
-
-``--mode tensor`` shards the feed-forward blocks of the preset's encoder with ``ColwiseParallel`` (first matrix,
-split by output) and ``RowwiseParallel`` (second matrix, split by input, then one all-reduce), and checks the
-output against the unsharded model.
 
 Every run writes a results folder (run.json, metrics.jsonl, summary.json) with the world size each worker saw.
 """
@@ -27,22 +21,19 @@ from my_utils import UserError
 from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
-MODES = ("pipeline", "tensor")
 SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass
 class Config(RunSettings):
-    mode: str = setting("pipeline", "pipeline (one stage per process) or tensor (every matrix split over processes)",
-                        choices=MODES)
     schedule: str = setting("gpipe", "gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, "
                             "alternating", choices=SCHEDULES)
     microbatches: int = setting(4, "micro-batches per step")
     batch_size: int = setting(16, "sequences per step: the pipeline is one model replica, so this is its whole batch, "
-                              "cut into --microbatches micro-batches (tensor mode: the sentences of its output check)")
-    max_length: int = setting(64, "tokens per sequence (pipeline mode)")
-    max_steps: int = setting(4, "training steps after the output check (pipeline mode)")
-    learning_rate: float | None = setting(None, "pipeline mode's rate (default: the preset's)")
+                              "cut into --microbatches micro-batches")
+    max_length: int = setting(64, "tokens per sequence")
+    max_steps: int = setting(4, "training steps after the output check")
+    learning_rate: float | None = setting(None, "the AdamW rate (default: the preset's)")
 
 
 def validate(cfg: Config):
@@ -50,7 +41,6 @@ def validate(cfg: Config):
     from my_utils.run.config import check_choice, check_positive
 
     preset = cfg.check_common()
-    check_choice("mode", cfg.mode, MODES)
     check_choice("schedule", cfg.schedule, SCHEDULES)
     for name in ("microbatches", "batch_size", "max_length", "max_steps"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
@@ -59,7 +49,7 @@ def validate(cfg: Config):
     if cfg.batch_size % cfg.microbatches:
         raise UserError(f"--batch-size {cfg.batch_size} does not split into {cfg.microbatches} equal micro-batches; "
                         "make it a multiple of --microbatches.")
-    preset.require("causal" if cfg.mode == "pipeline" else "classifier")
+    preset.require("causal")
     return preset
 
 
@@ -209,30 +199,11 @@ def lm_loss(logits, labels):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
 
 
-def token_blocks(preset, tokenizer, n_blocks: int, max_length: int):
-    """``n_blocks`` sequences of ``max_length`` tokens cut from the preset's instruction texts laid end to end
-    (no padding, so every micro-batch has the same shape and the same number of tokens)."""
-    import torch
-
-    from my_utils.core.data import format_example, load_instructions
-
-    rows, _ = load_instructions(preset.instruction_data)
-    stream: list[int] = []
-    for row in rows:
-        stream += tokenizer(format_example(row, tokenizer.eos_token), add_special_tokens=False)["input_ids"]
-        if len(stream) >= n_blocks * max_length:
-            break
-    if len(stream) < n_blocks * max_length:
-        raise UserError(f"The data holds {len(stream)} tokens, fewer than {n_blocks} x {max_length}; "
-                        "lower --max-steps or --max-length.")
-    return torch.tensor(stream[: n_blocks * max_length]).view(n_blocks, max_length)
-
-
 # ---------------------------------------------------------------------------------------------- the workflow
 
 
 def train(cfg: Config) -> dict:
-    """Run the pipeline or tensor-parallel experiment; returns the summary on every rank (rank 0 writes it)."""
+    """Run the pipeline experiment; returns the summary on every rank (rank 0 writes it)."""
     from accelerate.utils import set_seed  # (transformers.set_seed would import peft and bitsandbytes: seconds)
 
     from my_utils.run.lifecycle import join_world
@@ -240,11 +211,11 @@ def train(cfg: Config) -> dict:
     preset = validate(cfg)
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     if world_size < 2:
-        raise UserError(f"--mode {cfg.mode} splits the model over processes but this run has one; "
+        raise UserError("pipeline_parallel splits the model over processes but this run has one; "
                         "launch it with torchrun --nproc_per_node 2 or accelerate launch --num_processes 2.")
     cfg = resolve(cfg, preset, world_size)
     set_seed(cfg.seed)
-    return (train_pipeline if cfg.mode == "pipeline" else tensor_parallel)(cfg, preset, world_size)
+    return train_pipeline(cfg, preset, world_size)
 
 
 def pipelined_forward(stage, schedule, batch, device) -> tuple:
@@ -296,6 +267,7 @@ def train_pipeline(cfg: Config, preset, world_size: int) -> dict:
 
     from my_utils.core.devices import per_rank_device
     from my_utils.core.memory import reset_peak, snapshot
+    from my_utils.core.data import token_blocks
     from my_utils.core.models import build_causal_lm, load_tokenizer
     from my_utils.core.printing import print0, rank_print
     from my_utils.run.lifecycle import run_lifecycle
@@ -303,8 +275,8 @@ def train_pipeline(cfg: Config, preset, world_size: int) -> dict:
     rank, device = dist.get_rank(), per_rank_device()
     data = token_blocks(preset, load_tokenizer(preset), cfg.batch_size * (cfg.max_steps + 1), cfg.max_length)
     check_batch, train_batches = data[: cfg.batch_size], data[cfg.batch_size :].split(cfg.batch_size)
-    with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "pipeline" / f"{cfg.preset}_{cfg.mode}",
-                       workflow="pipeline") as life:
+    with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "pipeline_parallel" / f"{cfg.preset}_{cfg.schedule}",
+                       workflow="pipeline_parallel") as life:
         model = build_causal_lm(preset, random_init=cfg.random_init)
         model.config.use_cache = False  # a key-value cache is for generation, and cannot be traced
         disable_dropout(model)
@@ -351,7 +323,7 @@ def pipeline_summary(cfg: Config, world_size: int, reports: list, reference_loss
     last = reports[-1]
     step_start, step_end = min(r["step"][0] for r in reports), max(r["step"][1] for r in reports)
     return {
-        "workflow": "pipeline", "mode": "pipeline", "preset": cfg.preset, "schedule": cfg.schedule,
+        "workflow": "pipeline_parallel", "preset": cfg.preset, "schedule": cfg.schedule,
         "world_size": world_size, "world_sizes_seen": [r["world_size_seen"] for r in reports],
         "backend": process_group_backend(), "microbatches": cfg.microbatches,
         "batch_size": cfg.batch_size, "effective_batch": cfg.batch_size,  # one model replica: the whole batch
@@ -375,117 +347,19 @@ def pipeline_summary(cfg: Config, world_size: int, reports: list, reference_loss
     }
 
 
-def feed_forward_pairs(model) -> list[tuple[str, str]]:
-    """(widening, narrowing) Linear pairs of the model's feed-forward blocks: per layer, a Linear whose output is
-    wider than its input, then the Linear that maps that width back. Between them is only an activation, which
-    is what makes column-then-row sharding exact."""
-    import torch
-
-    from my_utils.core.devices import layer_stack
-
-    stack_name, blocks = layer_stack(model)
-    pairs = []
-    for i, block in enumerate(blocks):
-        linears = [(n, m) for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
-        for n_up, up in linears:
-            if up.out_features > up.in_features:
-                down = [n for n, m in linears if m.in_features == up.out_features and m.out_features == up.in_features]
-                if down:
-                    pairs.append((f"{stack_name}.{i}.{n_up}", f"{stack_name}.{i}.{down[0]}"))
-    if not pairs:
-        raise UserError(f"{type(model).__name__} has no torch.nn.Linear feed-forward pairs to shard (GPT-2 uses "
-                        "Conv1D); use a preset whose classifier is a BERT/RoBERTa-style encoder.")
-    return pairs
-
-
-def tensor_parallel(cfg: Config, preset, world_size: int) -> dict:
-    """Shard the encoder's feed-forward blocks over the processes and check the output against the plain model."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from my_utils.core.data import load_classification
-    from my_utils.core.devices import per_rank_device
-    from my_utils.core.memory import snapshot
-    from my_utils.core.models import build_classifier, load_tokenizer
-    from my_utils.core.printing import print0, rank_print
-    from my_utils.run.lifecycle import run_lifecycle
-
-    rank, device = dist.get_rank(), per_rank_device()
-    tokenizer = load_tokenizer(preset, role="classifier")
-    rows, _, labels = load_classification(preset.classification_data, eval_rows=1)
-    batch = tokenizer([r["text"] for r in rows[: cfg.batch_size]], padding=True, return_tensors="pt").to(device)
-    with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "pipeline" / f"{cfg.preset}_{cfg.mode}",
-                       workflow="pipeline") as life:
-        model = build_classifier(preset, len(labels), random_init=cfg.random_init).to(device).eval()
-        with torch.no_grad():
-            reference = model(**batch).logits
-        pairs = feed_forward_pairs(model)
-        full_shapes = {name: [m.out_features, m.in_features] for name, m in
-                       ((n, dict(model.named_modules())[n]) for pair in pairs for n in pair)}
-        total = sum(p.numel() for p in model.parameters())
-        # region: tensor parallel
-        mesh = init_device_mesh(torch.device(device).type, (world_size,))
-        plan = {}
-        for up, down in pairs:
-            plan[up] = ColwiseParallel()  # each process computes a slice of the hidden features
-            plan[down] = RowwiseParallel()  # each process multiplies its slice; an all-reduce sums the parts
-        parallelize_module(model, mesh, plan)
-        # endregion
-        started = time.perf_counter()
-        with torch.no_grad():
-            output = model(**batch).logits
-        runtime = time.perf_counter() - started
-        modules = dict(model.named_modules())
-        shapes = {name: list(modules[name].weight.to_local().shape) for pair in pairs for name in pair}
-        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
-        rank_print(f"holds {local:,} parameters; {pairs[0][0]} weight here: {shapes[pairs[0][0]]}")
-        reports = life.gather({"rank": rank, "world_size_seen": dist.get_world_size(), "local_parameters": local,
-                               "local_shapes": shapes, "max_abs_diff": float((output - reference).abs().max()),
-                               "memory": {"rank": rank, "end": snapshot(device)}})
-        life.finish(tensor_summary(cfg, world_size, reports, pairs, full_shapes, total, runtime)
-                    if life.is_main else None)
-        print0(f"tensor-parallel output vs plain model: max |difference| {life.summary['max_abs_diff']:.2e}")
-    return life.summary
-
-
-def tensor_summary(cfg: Config, world_size: int, reports: list, pairs, full_shapes: dict, total: int,
-                   runtime: float) -> dict:
-    """summary.json of a tensor-parallel run: the sharded shapes, the parameters each process holds, the check."""
-    from my_utils.core.memory import peak_bytes
-    from my_utils.run.lifecycle import process_group_backend
-
-    return {
-        "workflow": "pipeline", "mode": "tensor", "preset": cfg.preset,
-        "world_size": world_size, "world_sizes_seen": [r["world_size_seen"] for r in reports],
-        "backend": process_group_backend(),
-        "sharded_pairs": pairs, "full_shapes": full_shapes,
-        "local_shapes": [r["local_shapes"] for r in reports],
-        "total_parameters": total,
-        "local_parameters": [r["local_parameters"] for r in reports],
-        "max_abs_diff": max(r["max_abs_diff"] for r in reports),
-        "runtime_s": runtime,
-        "memory": [r["memory"] for r in reports],
-        "peak_memory_bytes": max(peak_bytes(r["memory"]["end"]) for r in reports),
-    }
-
-
-DESCRIPTION = ("Pipeline parallelism (one model stage per process, micro-batches, GPipe or 1F1B) or tensor parallelism "
-               "(each matrix split over processes). Needs 2+ processes: torchrun --nproc_per_node 2 -m "
-               "my_utils.workflows.pipeline ..., or (on a CPU) ACCELERATE_USE_CPU=1 accelerate launch --config_file "
+DESCRIPTION = ("Pipeline parallelism: one model stage per process, micro-batches, GPipe or 1F1B. Needs 2+ processes: "
+               "torchrun --nproc_per_node 2 -m my_utils.workflows.pipeline_parallel ..., or (on a CPU) ACCELERATE_USE_CPU=1 accelerate launch --config_file "
                "configs/cpu_x2.yaml -m ...")
 
 
 def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.pipeline", description=DESCRIPTION)
+    return parse_config(Config, argv, prog="python -m my_utils.workflows.pipeline_parallel", description=DESCRIPTION)
 
 
 def main(argv=None) -> dict:
     from my_utils.run.cli import run_main
 
-    return run_main(lambda: train(parse_args(argv)), prefix="pipeline")
+    return run_main(lambda: train(parse_args(argv)), prefix="pipeline_parallel")
 
 
 if __name__ == "__main__":

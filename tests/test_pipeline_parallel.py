@@ -1,5 +1,5 @@
-"""Layer splits balanced by parameter count, the naive split's timeline, and the pipeline / tensor-parallel
-workflow on two gloo processes: outputs equal to the plain model's, world size checked inside each worker."""
+"""Layer splits balanced by parameter count, the naive split's timeline, and the pipeline-parallel workflow on
+two gloo processes: outputs equal to the plain model's, world size checked inside each worker."""
 
 import pytest
 
@@ -61,7 +61,7 @@ def test_naive_split_runs_one_stage_at_a_time():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from my_utils.workflows.pipeline import concurrent_time, naive_split_timeline
+    from my_utils.workflows.pipeline_parallel import concurrent_time, naive_split_timeline
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_layer=4, n_embd=32, n_head=2, n_positions=32)).eval()
     device_map = balanced_layer_split(model, ["a", "b"])
@@ -75,7 +75,7 @@ def test_naive_split_runs_one_stage_at_a_time():
 
 
 def test_bad_pipeline_config_is_refused_before_anything_runs():
-    from my_utils.workflows.pipeline import Config, validate
+    from my_utils.workflows.pipeline_parallel import Config, validate
 
     with pytest.raises(UserError, match="multiple of --microbatches"):
         validate(Config(batch_size=10, microbatches=4))
@@ -88,7 +88,7 @@ def _launch(tmp_path, subprocess_env, args):
     from my_utils.run.results import load_run
 
     out = tmp_path / "run"
-    cmd = accelerate_command("my_utils.workflows.pipeline",
+    cmd = accelerate_command("my_utils.workflows.pipeline_parallel",
                              ["--preset", "tiny", "--num-processes", 2, "--output-dir", out, *args], num_processes=2)
     run_command(cmd, env=subprocess_env)
     run = load_run(out)
@@ -103,6 +103,7 @@ def test_pipeline_output_equals_the_plain_model(tmp_path, subprocess_env, schedu
                                              "--max-length", 32])
     assert s["world_sizes_seen"] == [2, 2]
     assert s["max_abs_diff"] < 1e-4
+    assert s["workflow"] == "pipeline_parallel"
     assert (s["max_length"], s["steps"], s["effective_batch"]) == (32, 2, 8)
     assert s["pipelined_loss"] == pytest.approx(s["reference_loss"], abs=1e-4)
     assert len(s["stage_modules"]) == 2 and s["stage_modules"][0][0] == "transformer.wte"
@@ -110,28 +111,18 @@ def test_pipeline_output_equals_the_plain_model(tmp_path, subprocess_env, schedu
 
 
 @pytest.mark.slow
-def test_tensor_parallel_output_equals_the_plain_model(tmp_path, subprocess_env):
-    s = _launch(tmp_path, subprocess_env, ["--mode", "tensor", "--batch-size", 4])
-    assert s["world_sizes_seen"] == [2, 2]
-    assert s["max_abs_diff"] < 1e-4
-    up, down = s["sharded_pairs"][0]
-    assert s["local_shapes"][1][up] == [s["full_shapes"][up][0] // 2, s["full_shapes"][up][1]]
-    assert s["local_shapes"][1][down] == [s["full_shapes"][down][0], s["full_shapes"][down][1] // 2]
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [
     (["--seq-len", "32"], "unrecognized arguments: --seq-len 32; see --help."),
-    (["--max-steps", "0"], "pipeline: error: --max-steps must be a positive integer, got 0."),
-    (["--mode", "data"], "argument --mode: invalid choice: 'data'"),
-    ([], "--mode pipeline splits the model over processes but this run has one"),
+    (["--max-steps", "0"], "pipeline_parallel: error: --max-steps must be a positive integer, got 0."),
+    (["--schedule", "zb"], "argument --schedule: invalid choice: 'zb'"),
+    ([], "pipeline_parallel splits the model over processes but this run has one"),
 ])
 def test_bad_input_from_the_command_line_is_one_line_and_writes_nothing(tmp_path, subprocess_env, args, expected):
     import subprocess
     import sys
 
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "my_utils.workflows.pipeline", *args, "--output-dir", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "my_utils.workflows.pipeline_parallel", *args, "--output-dir", str(out)],
                           env=subprocess_env, capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
