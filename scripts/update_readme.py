@@ -56,9 +56,9 @@ LESSONS = {
                       "rate; one fresh process per run"),
     "08_model_pipeline_parallel": ("model and pipeline parallel", "a balanced layer split, its idle time, a GPipe "
                                    "schedule with `torch.distributed.pipelining`"),
-    "09_tensor_parallel": ("tensor and sequence parallel", "Megatron's column and row splits with `parallelize_module` "
-                           "on a tiny Llama: one step equal to the whole model's, the collectives counted against the "
-                           "arithmetic, parameters and activations per process"),
+    "09_tensor_parallel": ("tensor, sequence, context and 2D parallel", "Megatron's column and row splits with "
+                           "`parallelize_module` on a tiny Llama, ring attention, a dp x tp mesh: each step equal to the "
+                           "whole model's, collectives and bytes counted against the arithmetic, memory per process"),
     "10_sharding": ("sharded data parallel", "ZeRO-1, 2 and 3 (`ZeroRedundancyOptimizer`, FSDP2 `fully_shard`) beside "
                     "DDP: same losses, memory per process measured against the formulas, communication per step; LoRA "
                     "on a sharded base, its adapter saved whole"),

@@ -30,6 +30,7 @@ MUTATIONS = {
     "09_tensor_parallel": [
         "runs['tp']['collectives']['backward'] = {'all_reduce': 21}  # every projection summing its own gradient",
         "runs['tp+sp']['saved_activation_bytes'] = runs['tp']['saved_activation_bytes']  # sequence parallel saving nothing",
+        "ring['bytes_sent'][1] = dict(ring['bytes_expected'], backward=0)  # key/value gradients that never travel home",
     ],
     "10_sharding": ["results['zero3']['memory'][1] = results['ddp']['memory'][1]  # rank 1 holding DDP's memory"],
     "11_classification": ["runs['lora', 'pipeline']['accuracy_after'] = 0.5  # LoRA that does not learn"],

@@ -79,3 +79,67 @@ def test_one_step_equals_the_unsplit_model_and_the_collectives_are_counted(tmp_p
                                                           s["full_shapes"]["down_proj"][1] // 2]
     assert max(s["saved_activation_bytes"]) < s["saved_activation_bytes_whole"]
     assert s["train_loss_final"] < s["train_loss_first"]
+
+
+@pytest.mark.slow
+def test_two_d_steps_equal_the_unsplit_model_on_the_whole_batch(tmp_path):
+    """dp 2 x tp 2, its ranks simulated in this process (LocalTensor)."""
+    from my_utils.run.results import load_run
+    from my_utils.workflows import parallel_2d
+
+    for sequence_parallel in (False, True):
+        out = tmp_path / f"sp{sequence_parallel}"
+        parallel_2d.main(["--dp", "2", "--tp", "2", "--batch-size", "4", "--max-length", "16", "--output-dir", str(out),
+                          *(["--sequence-parallel"] if sequence_parallel else [])])
+        s = load_run(out)["summary"]
+        assert s["simulated_ranks"] == 4 and s["coordinates"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
+        # the ranks of one replica share its loss; the mean over replicas is the whole batch's
+        losses = s["losses_per_rank"]
+        assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]
+        assert s["loss_mean_over_replicas"] == pytest.approx(s["reference_loss"], abs=1e-5)
+        assert s["grad_max_diff"] < 1e-5 * s["grad_scale"] and s["param_max_diff"] < 1e-6
+        assert s["collectives"]["gradient average"] == {"all_reduce": s["parameters"]}
+        assert s["layer0_shapes"]["self_attn.o_proj.weight"] == [192, 96]
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"dp": 4, "tp": 8}, "32 simulated ranks, more than 16"),
+    ({"tp": 3}, "attention heads, 4, do not split over 3"),
+    ({"dp": 3}, "--batch-size 8 does not split over 3 replicas"),
+])
+def test_a_2d_mesh_that_does_not_fit_is_refused(args, message):
+    from my_utils.workflows.parallel_2d import Config, validate
+
+    with pytest.raises(UserError, match=message):
+        validate(Config(**args))
+
+
+def test_context_parallel_bytes_are_the_rings_arithmetic():
+    from my_utils.workflows.context_parallel import Config, ring_bytes
+
+    block = 2 * 4 * 128 * 32 * 4  # batch x heads x (512 / 4 positions) x head_dim x float32
+    assert ring_bytes(Config(), 4) == {"forward": 2 * 3 * block, "backward": 2 * 3 * block + 2 * 4 * block}
+
+
+def test_context_parallel_refuses_a_sequence_that_does_not_split():
+    from my_utils.workflows.context_parallel import Config, validate
+
+    with pytest.raises(UserError, match="--seq-len 511 does not split into 2 equal blocks"):
+        validate(Config(seq_len=511, num_processes=2))
+
+
+@pytest.mark.slow
+def test_ring_attention_equals_whole_attention_forward_and_backward(tmp_path, subprocess_env):
+    from my_utils.run.launch import accelerate_command, run_command
+    from my_utils.run.results import load_run
+
+    out = tmp_path / "ring"
+    run_command(accelerate_command("my_utils.workflows.context_parallel",
+                                   ["--num-processes", 2, "--seq-len", 128, "--output-dir", out], num_processes=2),
+                env=subprocess_env)
+    s = load_run(out)["summary"]
+    assert s["world_sizes_seen"] == [2, 2]
+    assert max(s["max_abs_diff"].values()) < 1e-5, s["max_abs_diff"]
+    assert set(s["max_abs_diff"]) == {"output", "grad_q", "grad_k", "grad_v"}
+    assert s["bytes_sent"] == [s["bytes_expected"]] * 2
+    assert s["blocks_computed"] == [1, 2], "causal: the first block attends only to itself"

@@ -31,8 +31,8 @@ from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 TINY_LLAMA = ASSETS / "tiny" / "llama"  # the tiny preset's Llama: its config only, weights drawn from --seed
-COLLECTIVE_NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-                    "reduce_scatter_tensor": "reduce_scatter"}
+COLLECTIVE_NAMES = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+                    "reduce_scatter_tensor": "reduce_scatter"}  # functional collectives' names and c10d's
 
 
 @dataclass
@@ -168,9 +168,26 @@ def expected_collectives(layers: int, sequence_parallel: bool, tied: bool) -> di
     return {"forward": dict(forward), "backward": dict(backward), "optimizer": dict(step)}
 
 
-def counted(mode) -> dict:
-    """A ``CommDebugMode``'s counts as {short name: count}."""
-    return {COLLECTIVE_NAMES.get(str(op).split(".")[-1], str(op)): n for op, n in mode.get_comm_counts().items() if n}
+class CountedCollectives:
+    """Counts the collectives issued inside it (``CommDebugMode``); ``counts``: {short name: count} afterwards."""
+
+    def __enter__(self):
+        import warnings
+
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()  # its module hooks warn about models that return no plain tensors
+        warnings.filterwarnings("ignore", message=".*backward hook", category=UserWarning)
+        self._mode = CommDebugMode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._warnings.__exit__(*exc)
+        self.counts = {COLLECTIVE_NAMES.get(str(op).split(".")[-1], str(op)): n
+                       for op, n in self._mode.get_comm_counts().items() if n}
 
 
 def build_model(preset, config, cfg: Config):
@@ -211,10 +228,8 @@ def one_step_check(model, mesh, batch, cfg: Config) -> dict:
     """Forward, backward and one SGD step on ``batch`` by ``model`` split over the mesh, and by an unsplit copy:
     the differences, the collectives of each phase and the activations each keeps for backward."""
     import copy
-    import warnings
 
     import torch
-    from torch.distributed.tensor.debug import CommDebugMode
 
     from my_utils.run.callbacks import SavedActivations
 
@@ -224,22 +239,20 @@ def one_step_check(model, mesh, batch, cfg: Config) -> dict:
     reference_loss.backward()
     torch.optim.SGD(reference.parameters(), lr=cfg.learning_rate).step()
     split(model, mesh, cfg.sequence_parallel)
-    with warnings.catch_warnings():  # CommDebugMode's module hooks warn about the model's non-tensor outputs
-        warnings.filterwarnings("ignore", message=".*backward hook", category=UserWarning)
-        with CommDebugMode() as forward, SavedActivations(model) as saved:
-            loss = model(input_ids=batch, labels=batch).loss
-        with CommDebugMode() as backward:
-            loss.backward()
+    with CountedCollectives() as forward, SavedActivations(model) as saved:
+        loss = model(input_ids=batch, labels=batch).loss
+    with CountedCollectives() as backward:
+        loss.backward()
     pairs = list(zip(model.parameters(), reference.parameters()))
     grad_scale = max(float(q.grad.abs().max()) for _, q in pairs)
     grad_diff = max(float((whole(p.grad) - q.grad).abs().max()) for p, q in pairs) / grad_scale
-    with CommDebugMode() as step:
+    with CountedCollectives() as step:
         torch.optim.SGD(model.parameters(), lr=cfg.learning_rate).step()
     with torch.no_grad():
         param_diff = max(float((whole(p) - q).abs().max()) for p, q in pairs)
     return {"loss": loss.item(), "reference_loss": reference_loss.item(), "grad_rel_diff": grad_diff,
             "param_max_diff": param_diff,
-            "collectives": {"forward": counted(forward), "backward": counted(backward), "optimizer": counted(step)},
+            "collectives": {"forward": forward.counts, "backward": backward.counts, "optimizer": step.counts},
             "saved_activation_bytes": saved.bytes, "saved_activation_bytes_whole": saved_whole.bytes}
 
 
