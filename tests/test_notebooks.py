@@ -26,7 +26,10 @@ MUTATIONS = {
         "  # alpha = 2r's larger step changes nothing",
         "rank_gain = noise.difference(1.6, 1.0)  # the largest rank far better at its best rate",
     ],
-    "08_model_pipeline_parallel": ["pipes[4] = pipes[1]  # micro-batches that do not overlap the stages"],
+    "08_model_pipeline_parallel": [
+        "pipes['gpipe', 8] = pipes['gpipe', 1]  # micro-batches that do not overlap the stages",
+        "pipes['1f1b', 8]['in_flight'] = pipes['gpipe', 8]['in_flight']  # 1F1B holding every micro-batch",
+    ],
     "09_tensor_parallel": [
         "runs['tp']['collectives']['backward'] = {'all_reduce': 21}  # every projection summing its own gradient",
         "runs['tp+sp']['saved_activation_bytes'] = runs['tp']['saved_activation_bytes']  # sequence parallel saving nothing",

@@ -74,6 +74,36 @@ def test_naive_split_runs_one_stage_at_a_time():
     assert concurrent_time(overlap) == pytest.approx(2.0)
 
 
+def test_micro_batches_held_are_counted_from_a_stage_timeline():
+    from my_utils.workflows.pipeline_parallel import peak_in_flight
+
+    def events(kinds):
+        return [{"kind": "forward" if k == "F" else "backward", "start": float(i)} for i, k in enumerate(kinds)]
+
+    assert peak_in_flight(events("FFFFBBBB")) == 4  # GPipe
+    assert peak_in_flight(events("FFBFBFBB")) == 2  # 1F1B on the first of two stages
+    assert peak_in_flight(events("FBFBFBFB")) == 1  # 1F1B on the last stage
+
+
+@pytest.mark.parametrize("schedule", ["interleaved 1F1B", "interleaved zero bubble", "zero bubble V"])
+def test_multi_stage_schedules_are_tabled_without_a_process_group(schedule):
+    from my_utils.workflows.pipeline_parallel import action_table
+
+    table, empty = action_table(schedule, processes=2, microbatches=4)
+    assert table.splitlines()[0].split() == ["Rank", "0", "Rank", "1"]
+    for stage in range(4):  # every stage runs every micro-batch's forward, and its backward (whole, or I and W)
+        for mb in range(4):
+            assert f" {stage}F{mb} " in table + " "
+            assert f" {stage}B{mb} " in table + " " or (f" {stage}I{mb} " in table + " " and f" {stage}W{mb} " in table + " ")
+    assert 0 <= empty < 0.5
+
+
+def test_zero_bubble_leaves_fewer_empty_slots_than_interleaved_1f1b():
+    from my_utils.workflows.pipeline_parallel import action_table
+
+    assert action_table("zero bubble V", 2, 4)[1] < action_table("interleaved 1F1B", 2, 4)[1]
+
+
 def test_bad_pipeline_config_is_refused_before_anything_runs():
     from my_utils.workflows.pipeline_parallel import Config, validate
 
@@ -100,13 +130,15 @@ def _launch(tmp_path, subprocess_env, args):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_output_equals_the_plain_model(tmp_path, subprocess_env, schedule):
     s = _launch(tmp_path, subprocess_env, ["--schedule", schedule, "--max-steps", 2, "--batch-size", 8,
-                                             "--max-length", 32])
+                                             "--max-length", 32, "--microbatches", 4])
     assert s["world_sizes_seen"] == [2, 2]
     assert s["max_abs_diff"] < 1e-4
     assert s["workflow"] == "pipeline_parallel"
     assert (s["max_length"], s["steps"], s["effective_batch"]) == (32, 2, 8)
     assert s["pipelined_loss"] == pytest.approx(s["reference_loss"], abs=1e-4)
     assert len(s["stage_modules"]) == 2 and s["stage_modules"][0][0] == "transformer.wte"
+    assert s["grad_rel_diff"] < 1e-5 and s["step_loss"] == pytest.approx(s["reference_loss"], abs=1e-4)
+    assert s["in_flight"] == s["in_flight_expected"] == ([4, 4] if schedule == "gpipe" else [2, 1])
     assert all(len(events) == 2 * s["microbatches"] for events in s["timeline"].values())
 
 

@@ -99,6 +99,33 @@ def make_schedule(name: str, stage, microbatches: int, loss_fn=None):
 # endregion
 
 
+MULTI_STAGE_SCHEDULES = {  # torch's schedules with several stages per process, by the names their papers use
+    "interleaved 1F1B": "ScheduleInterleaved1F1B", "interleaved zero bubble": "ScheduleInterleavedZeroBubble",
+    "zero bubble V": "ScheduleZBVZeroBubble"}
+
+
+def action_table(schedule: str, processes: int, microbatches: int, stages_per_process: int = 2) -> tuple[str, float]:
+    """The order of work a multi-stage schedule gives each process, as torch formats it ("2F1": stage 2's forward of
+    micro-batch 1; B a backward, or I and W: a backward split into its input and weight gradients), and the share of
+    empty slots. torch computes the order at construction from each stage's place alone, so stand-in stages
+    (no process group, no model) are enough. A slot is one action: the table shows the order, not the time."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.pipelining import schedules
+
+    n_stages = processes * stages_per_process
+    # rank 0's stages: round robin (0, P, 2P...), or a V for the zero-bubble V schedule (0 and 2P - 1)
+    mine = (0, n_stages - 1) if schedule == "zero bubble V" else range(0, n_stages, processes)
+    stages = [SimpleNamespace(stage_index=i, num_stages=n_stages, group_size=processes, group_rank=0, is_first=i == 0,
+                              is_last=i == n_stages - 1, submod=torch.nn.Identity()) for i in mine]
+    order = getattr(schedules, MULTI_STAGE_SCHEDULES[schedule])(stages, n_microbatches=microbatches).pipeline_order
+    slots = max(len(actions) for actions in order.values()) * processes
+    empty = sum(action is None for actions in order.values() for action in actions)
+    empty += sum(max(len(a) for a in order.values()) - len(actions) for actions in order.values())
+    return schedules._format_pipeline_order(order), empty / slots
+
+
 def record_timeline(stage, events: list) -> None:
     """Append ``{kind, microbatch, start, end}`` to ``events`` each time ``stage`` computes a micro-batch's forward
     or backward (communication waits are outside these calls, so the gaps are idle time)."""
@@ -232,6 +259,54 @@ def pipelined_forward(stage, schedule, batch, device) -> tuple:
     return None, None
 
 
+def untie(model) -> None:
+    """Give the output layer its own copy of a tied input embedding: split over stages, the two live on different
+    processes and train apart (real frameworks add a gradient sum between them), so the plain model that the
+    pipeline is checked against must be untied the same way."""
+    import torch
+
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    if output is not None and output.weight is embedding.weight:
+        output.weight = torch.nn.Parameter(embedding.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+
+
+def plain_step(model, batch) -> tuple:
+    """The plain model's output, loss and gradients (by parameter name) on ``batch``: what the pipeline must give."""
+    output = model(input_ids=batch).logits
+    loss = lm_loss(output, batch)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return output.detach(), loss.item(), grads
+
+
+def pipelined_gradients(stage, schedule, batch, device, reference_grads: dict) -> tuple[float | None, float]:
+    """One forward and backward through the pipeline (no optimizer step): the last stage's mean loss (None
+    elsewhere) and the largest difference of this stage's gradients from the plain model's, relative to the largest
+    of them. The stage keeps the plain model's parameter names."""
+    import torch
+
+    losses: list = []
+    args = (batch.to(device),) if stage.is_first else ()
+    schedule.step(*args, **({"target": batch.to(device), "losses": losses} if stage.is_last else {}))
+    grads = {name: p.grad for name, p in stage.submod.named_parameters() if p.grad is not None}
+    scale = max(float(reference_grads[name].abs().max()) for name in grads)
+    diff = max(float((g.cpu() - reference_grads[name]).abs().max()) for name, g in grads.items()) / scale
+    stage.submod.zero_grad(set_to_none=True)
+    return (float(torch.stack(losses).mean()) if stage.is_last else None), diff
+
+
+def peak_in_flight(events: list[dict]) -> int:
+    """The most micro-batches a stage held at once between their forward and their backward (each one's
+    activations wait in memory for its backward): GPipe holds all of them, 1F1B at most the stages after it."""
+    held, peak = 0, 0
+    for event in sorted(events, key=lambda e: e["start"]):
+        held += 1 if event["kind"] == "forward" else -1
+        peak = max(peak, held)
+    return peak
+
+
 def train_steps(stage, schedule, optimizer, batches, device, events: list) -> tuple[list, tuple, float]:
     """One optimizer step per batch, every process updating only its own stage. Returns the last stage's losses
     (empty elsewhere), the last step's (start, end) wall-clock times, and the runtime; ``events`` (filled by
@@ -280,9 +355,8 @@ def train_pipeline(cfg: Config, preset, world_size: int) -> dict:
         model = build_causal_lm(preset, random_init=cfg.random_init)
         model.config.use_cache = False  # a key-value cache is for generation, and cannot be traced
         disable_dropout(model)
-        # The plain model's output and loss on the check batch: what the pipeline must reproduce.
-        with torch.no_grad():
-            reference = model(input_ids=check_batch).logits
+        untie(model)
+        reference, reference_loss, reference_grads = plain_step(model, check_batch)
         micro = cfg.batch_size // cfg.microbatches
         stage, device_map = pipeline_stage(model, world_size, rank, torch.device(device), (check_batch[:micro],))
         del model  # each process keeps only its stage's weights
@@ -294,8 +368,10 @@ def train_pipeline(cfg: Config, preset, world_size: int) -> dict:
         # 1. Forward only: the last stage's output and loss must equal the plain model's.
         schedule = make_schedule(cfg.schedule, stage, cfg.microbatches, loss_fn=lm_loss)
         output, pipelined_loss = pipelined_forward(stage, schedule, check_batch, device)
+        # 2. Forward and backward: every stage's gradients must equal the plain model's.
+        step_loss, grad_diff = pipelined_gradients(stage, schedule, check_batch, device, reference_grads)
 
-        # 2. Training steps: every process updates only its own stage, and times what it computes.
+        # 3. Training steps: every process updates only its own stage, and times what it computes.
         optimizer = torch.optim.AdamW([p for p in stage.submod.parameters() if p.requires_grad], lr=cfg.learning_rate)
         events: list[dict] = []
         record_timeline(stage, events)
@@ -304,13 +380,13 @@ def train_pipeline(cfg: Config, preset, world_size: int) -> dict:
         reports = life.gather({
             "rank": rank, "world_size_seen": dist.get_world_size(), "modules": my_modules,
             "parameters": stage_params, "pipelined_loss": pipelined_loss, "losses": losses, "timeline": events,
+            "step_loss": step_loss, "grad_rel_diff": grad_diff, "in_flight": peak_in_flight(events),
             "max_abs_diff": float((output - reference).abs().max()) if output is not None else None,
             "step": step_window, "memory": {"rank": rank, "end": snapshot(device)}})
         if life.is_main:
             for i, loss in enumerate(reports[-1]["losses"], start=1):
                 life.log({"step": i, "loss": loss})
-        life.finish(pipeline_summary(cfg, world_size, reports, float(lm_loss(reference, check_batch)), runtime)
-                    if life.is_main else None)
+        life.finish(pipeline_summary(cfg, world_size, reports, reference_loss, runtime) if life.is_main else None)
         print0(f"pipelined output vs plain model: max |difference| {life.summary['max_abs_diff']:.2e}")
     return life.summary
 
@@ -331,6 +407,12 @@ def pipeline_summary(cfg: Config, world_size: int, reports: list, reference_loss
         "stage_modules": [r["modules"] for r in reports],
         "stage_parameters": [r["parameters"] for r in reports],
         "max_abs_diff": last["max_abs_diff"],
+        "step_loss": last["step_loss"],
+        "grad_rel_diff": max(r["grad_rel_diff"] for r in reports),
+        # activations wait for their backward: GPipe keeps every micro-batch's, 1F1B at most one per later stage
+        "in_flight": [r["in_flight"] for r in reports],
+        "in_flight_expected": [cfg.microbatches if cfg.schedule == "gpipe" else min(cfg.microbatches, world_size - r)
+                               for r in range(world_size)],
         "reference_loss": reference_loss,
         "pipelined_loss": last["pipelined_loss"],
         "train_loss_first": last["losses"][0],
