@@ -178,3 +178,18 @@ def test_smollm2_config_is_the_published_llama():
     attention = model.model.layers[0].self_attn
     assert (attention.q_proj.out_features, attention.k_proj.out_features, attention.v_proj.out_features) == \
         (576, 192, 192)
+
+
+def test_the_tiny_llama_is_smollm2s_architecture_at_the_tiny_presets_size():
+    """assets/tiny/llama/config.json (tensor parallel's model, random weights): SmolLM2's layout (grouped-query
+    attention, SwiGLU, RMSNorm) at the tiny GPT-2's width and depth, over the tiny tokenizer's vocabulary, untied so
+    that the embedding and the output layer can both be split by vocabulary."""
+    from my_utils.core.models import load_tokenizer
+    from my_utils.core.presets import get_preset
+    from my_utils.workflows.tensor_parallel import TINY_LLAMA
+
+    config = AutoConfig.from_pretrained(TINY_LLAMA)
+    tiny = AutoConfig.from_pretrained(get_preset("tiny").causal_model)
+    assert config.model_type == "llama" and config.num_key_value_heads < config.num_attention_heads
+    assert (config.hidden_size, config.num_hidden_layers) == (tiny.n_embd, tiny.n_layer)
+    assert config.vocab_size == len(load_tokenizer(get_preset("tiny"))) and not config.tie_word_embeddings

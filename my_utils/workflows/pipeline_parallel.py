@@ -14,6 +14,7 @@ Every run writes a results folder (run.json, metrics.jsonl, summary.json) with t
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -50,7 +51,23 @@ def validate(cfg: Config):
         raise UserError(f"--batch-size {cfg.batch_size} does not split into {cfg.microbatches} equal micro-batches; "
                         "make it a multiple of --microbatches.")
     preset.require("causal")
+    stages = cfg.num_processes or int(os.environ.get("WORLD_SIZE", "1"))  # one stage per process
+    if cfg.schedule == "1f1b" and cfg.microbatches < stages:
+        raise UserError(f"1F1B needs at least one micro-batch per stage: --microbatches {cfg.microbatches} for "
+                        f"{stages} stages; use --microbatches {stages} or more, or --schedule gpipe.")
+    layers = model_layers(preset)
+    if stages > layers:
+        raise UserError(f"{stages} stages for a model of {layers} layers leave a stage without one; launch "
+                        f"{layers} processes or fewer.")
     return preset
+
+
+def model_layers(preset) -> int:
+    """The number of layers of the preset's causal LM, from its config (nothing downloaded)."""
+    from transformers import AutoConfig
+
+    folder = preset.offline_config.get("causal") or preset.causal_model
+    return AutoConfig.from_pretrained(folder).num_hidden_layers
 
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
