@@ -131,6 +131,14 @@ def test_a_2d_mesh_that_does_not_fit_is_refused(args, message):
         validate(Config(**args))
 
 
+def test_a_2d_simulation_under_a_launcher_is_refused(monkeypatch):
+    from my_utils.workflows.parallel_2d import Config, validate
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it: every process would simulate the whole mesh
+    with pytest.raises(UserError, match="simulates its ranks in one process; run it with python -m"):
+        validate(Config())
+
+
 def test_context_parallel_bytes_are_the_rings_arithmetic():
     from my_utils.workflows.context_parallel import Config, ring_bytes
 
@@ -143,3 +151,5 @@ def test_context_parallel_refuses_a_sequence_that_does_not_split():
 
     with pytest.raises(UserError, match="--seq-len 511 does not split into 2 equal blocks"):
         validate(Config(seq_len=511, num_processes=2))
+    with pytest.raises(UserError, match="could hold 128 GiB of scores at --seq-len 65536"):
+        validate(Config(seq_len=65536, num_processes=2))

@@ -28,6 +28,8 @@ from my_utils import UserError
 from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
+MAX_CHECK_BYTES = 4 * 2**30  # a laptop's share for the reference attention the ring is checked against
+
 
 @dataclass
 class Config(RunSettings):
@@ -44,6 +46,10 @@ def validate(cfg: Config) -> None:
     cfg.check_common()
     for name in ("seq_len", "batch_size", "heads", "head_dim"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
+    scores = cfg.batch_size * cfg.heads * cfg.seq_len**2 * 4  # the whole-attention check's float32 scores, at most
+    if scores > MAX_CHECK_BYTES:
+        raise UserError(f"The check against whole attention could hold {scores / 2**30:.0f} GiB of scores at --seq-len "
+                        f"{cfg.seq_len}; lower --seq-len, --batch-size or --heads.")
     world_size = cfg.num_processes or int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.seq_len % world_size:
         raise UserError(f"--seq-len {cfg.seq_len} does not split into {world_size} equal blocks; make it a "

@@ -20,6 +20,7 @@ phase, and records each rank's mesh coordinates and shard shapes.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from my_utils import UserError
@@ -45,6 +46,8 @@ def validate(cfg: Config):
     from my_utils.workflows.tensor_parallel import check_divisible, model_config
 
     preset = cfg.check_common()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # set by torchrun and accelerate launch
+        raise UserError("parallel_2d simulates its ranks in one process; run it with python -m, not a launcher.")
     for name in ("dp", "tp", "batch_size", "max_length"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
     check_positive("--learning-rate", cfg.learning_rate, float)
@@ -65,8 +68,6 @@ def simulated_world(ranks: int):
     import torch.distributed as dist
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend
 
-    if dist.is_initialized():
-        raise UserError("parallel_2d simulates its ranks in one process; run it with python -m, not a launcher.")
     dist.init_process_group("fake", rank=0, world_size=ranks, store=dist.HashStore())
 
 
