@@ -20,11 +20,11 @@ the whole sequence, and counts the bytes each process sends against the ring's a
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 
 from my_utils import UserError
+from my_utils.core.printing import get_world_size
 from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
@@ -50,7 +50,7 @@ def validate(cfg: Config) -> None:
     if scores > MAX_CHECK_BYTES:
         raise UserError(f"The check against whole attention could hold {scores / 2**30:.0f} GiB of scores at --seq-len "
                         f"{cfg.seq_len}; lower --seq-len, --batch-size or --heads.")
-    world_size = cfg.num_processes or int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = cfg.num_processes or get_world_size()
     if cfg.seq_len % world_size:
         raise UserError(f"--seq-len {cfg.seq_len} does not split into {world_size} equal blocks; make it a "
                         f"multiple of {world_size}.")

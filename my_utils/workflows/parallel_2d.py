@@ -20,10 +20,10 @@ phase, and records each rank's mesh coordinates and shard shapes.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from my_utils import UserError
+from my_utils.core.printing import get_world_size
 from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
@@ -46,7 +46,7 @@ def validate(cfg: Config):
     from my_utils.workflows.tensor_parallel import check_divisible, model_config
 
     preset = cfg.check_common()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # set by torchrun and accelerate launch
+    if get_world_size() > 1:  # WORLD_SIZE, set by torchrun and accelerate launch
         raise UserError("parallel_2d simulates its ranks in one process; run it with python -m, not a launcher.")
     for name in ("dp", "tp", "batch_size", "max_length"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))

@@ -14,11 +14,11 @@ Every run writes a results folder (run.json, metrics.jsonl, summary.json) with t
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 
 from my_utils import UserError
+from my_utils.core.printing import get_world_size
 from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
@@ -51,7 +51,7 @@ def validate(cfg: Config):
         raise UserError(f"--batch-size {cfg.batch_size} does not split into {cfg.microbatches} equal micro-batches; "
                         "make it a multiple of --microbatches.")
     preset.require("causal")
-    stages = cfg.num_processes or int(os.environ.get("WORLD_SIZE", "1"))  # one stage per process
+    stages = cfg.num_processes or get_world_size()  # one stage per process
     if cfg.schedule == "1f1b" and cfg.microbatches < stages:
         raise UserError(f"1F1B needs at least one micro-batch per stage: --microbatches {cfg.microbatches} for "
                         f"{stages} stages; use --microbatches {stages} or more, or --schedule gpipe.")

@@ -21,11 +21,11 @@ each phase are counted (``CommDebugMode``) against the plan's arithmetic. Then i
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 
 from my_utils import UserError
+from my_utils.core.printing import get_world_size
 from my_utils.core.presets import ASSETS
 from my_utils.run.config import RunSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
@@ -86,7 +86,7 @@ def validate(cfg: Config):
     if cfg.max_length > config.max_position_embeddings:
         raise UserError(f"--max-length {cfg.max_length} is beyond the model's {config.max_position_embeddings} "
                         "positions; lower it.")
-    check_divisible(config, cfg.num_processes or int(os.environ.get("WORLD_SIZE", "1")), cfg)
+    check_divisible(config, cfg.num_processes or get_world_size(), cfg)
     return preset, config
 
 
