@@ -10,7 +10,8 @@ lesson wrote in the reference demo run (``runs/reference/cpu_x2``). ``runs/refer
 markdown tables of ``python -m my_utils compare runs/reference/<folder> --markdown`` for each reference folder, or,
 for a folder of benchmarks written by ``python -m my_utils bench``, their table of ratios; the README's section
 between ``<!-- results:start -->`` and ``<!-- results:end -->`` points there. The table between ``<!-- fits:start -->`` and
-``<!-- fits:end -->`` is the memory planner's ``fits_table``. The section between ``<!-- gpu:start -->`` and
+``<!-- fits:end -->`` is the memory planner's ``fits_table``, the one between ``<!-- splits:start -->`` and
+``<!-- splits:end -->`` its ``split_fits_table``. The section between ``<!-- gpu:start -->`` and
 ``<!-- gpu:end -->`` is the report of the GPU check (``python -m my_utils gpucheck``) in ``runs/reference/gpu_x1``.
 """
 
@@ -27,13 +28,14 @@ from my_utils.run.results import CLAIMS_FILE, read_json  # noqa: E402
 from my_utils.tools.bench import BENCHMARKS, render_table  # noqa: E402
 from my_utils.tools.compare import overview  # noqa: E402
 from my_utils.tools.gpucheck import report as gpucheck_report  # noqa: E402
-from my_utils.tools.planner import fits_table  # noqa: E402
+from my_utils.tools.planner import fits_table, split_fits_table  # noqa: E402
 
 REFERENCE = REPO_ROOT / "runs" / "reference"
 DEMO_REFERENCE = REFERENCE / "cpu_x2"  # the reference `make demo` run
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 SERIES_START, SERIES_END = "<!-- series:start -->", "<!-- series:end -->"
 FITS_START, FITS_END = "<!-- fits:start -->", "<!-- fits:end -->"
+SPLITS_START, SPLITS_END = "<!-- splits:start -->", "<!-- splits:end -->"
 GPU_START, GPU_END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 DEMO_START, DEMO_END = "<!-- demo:start -->", "<!-- demo:end -->"
 GPU_REFERENCE = REFERENCE / "gpu_x1"  # the reference GPU check
@@ -163,6 +165,7 @@ def replace_section(text: str, start: str, end: str, section: str) -> str:
 def main() -> None:
     sections = {(SERIES_START, SERIES_END): series_section(),
                 (FITS_START, FITS_END): "\n".join([FITS_START, fits_table(), FITS_END]),
+                (SPLITS_START, SPLITS_END): "\n".join([SPLITS_START, split_fits_table(), SPLITS_END]),
                 (GPU_START, GPU_END): gpu_section(), (START, END): RESULTS_POINTER,
                 (DEMO_START, DEMO_END): demo_sentence()}
     pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]

@@ -29,11 +29,13 @@ MUTATIONS = {
     "08_model_pipeline_parallel": [
         "pipes['gpipe', 8] = pipes['gpipe', 1]  # micro-batches that do not overlap the stages",
         "pipes['1f1b', 8]['in_flight'] = pipes['gpipe', 8]['in_flight']  # 1F1B holding every micro-batch",
+        "stage_plans['gpipe', 8][1].total_params += 1  # a planner one parameter off a stage's",
     ],
     "09_tensor_parallel": [
         "runs['tp']['collectives']['backward'] = {'all_reduce': 21}  # every projection summing its own gradient",
         "runs['tp+sp']['saved_activation_bytes'] = runs['tp']['saved_activation_bytes']  # sequence parallel saving nothing",
         "ring['bytes_sent'][1] = dict(ring['bytes_expected'], backward=0)  # key/value gradients that never travel home",
+        "plan_ratio['tp+sp'] = 1.3  # a planner that misses what sequence parallel saves",
     ],
     "10_sharding": ["results['zero3']['memory'][1] = results['ddp']['memory'][1]  # rank 1 holding DDP's memory"],
     "11_classification": ["runs['lora', 'pipeline']['accuracy_after'] = 0.5  # LoRA that does not learn"],

@@ -358,7 +358,9 @@ def test_an_architecture_the_planner_cannot_model_is_refused_in_one_sentence(mon
                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=100), "not 'mistral'")
     refused(AutoConfig.for_model("gpt2", n_embd=64, n_layer=1, n_head=4, vocab_size=100, bos_token_id=0,
                                  eos_token_id=0, activation_function="swish"), "activation 'swish'")
-    monkeypatch.setattr(planner, "MODELLED", (*planner.MODELLED, "gpt_neox"))  # pretend to know it: its layout
+    from my_utils.tools.planner import layout
+
+    monkeypatch.setattr(layout, "MODELLED", (*layout.MODELLED, "gpt_neox"))  # pretend to know it: its layout
     refused(AutoConfig.for_model("gpt_neox", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
                                  num_attention_heads=4, vocab_size=100), "linear layers .*query_key_value")
 
@@ -428,3 +430,50 @@ def test_largest_batch_is_the_last_that_fits():
     assert with_runtime(plan("gpt2", "lora", batch_size=batch)).peak <= memory
     assert with_runtime(plan("gpt2", "lora", batch_size=batch + 1)).peak > memory
     assert largest_batch("gpt2", "full", 2**20) == 0  # not even one example in 1 MiB
+
+
+def test_tensor_parallel_plans_what_each_rank_of_a_split_model_holds():
+    """Megatron's plan applied to the tiny Llama on 2 ranks simulated in this process (LocalTensor): each rank holds
+    the parameters the planner's tensor_shard counts, tied or not, and splitting adds no parameter."""
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from my_utils.core.presets import get_preset
+    from my_utils.workflows.parallel_2d import simulated_world
+    from my_utils.workflows.tensor_parallel import model_config, parameter_split, split
+
+    for tied in (False, True):
+        config = model_config(get_preset("tiny"))
+        config.tie_word_embeddings = tied
+        arch = planner.architecture_from_config(config, "tiny llama")
+        model = AutoModelForCausalLM.from_config(config)
+        simulated_world(2)
+        try:
+            with LocalTensorMode(2):
+                split(model, init_device_mesh("cpu", (2,)), sequence_parallel=False)
+                held = parameter_split(model, 2)
+        finally:
+            dist.destroy_process_group()
+        assert arch.tied_embeddings == tied
+        assert planner.tensor_shard(arch, 2).total_params == held["local"], (tied, held)
+        assert planner.tensor_shard(arch, 1) == arch
+
+
+def test_pipeline_plans_hold_what_each_schedule_keeps_in_flight():
+    """GPipe keeps every micro-batch on every stage, 1F1B S - s: the same micro-batch's activations, more or fewer
+    times; the stages' parameters add up to the model's, with the untied output layer counted again."""
+    arch = planner.architecture("tiny")
+    shape = {"batch": 16, "seq": 64, "device": "cpu", "chunked_loss": False}
+    micro = planner.estimate(arch, "full", **{**shape, "batch": 2})
+    for schedule, held in (("gpipe", [8, 8, 8, 8]), ("1f1b", [4, 3, 2, 1])):
+        stages = [planner.split_estimate(arch, "full", pp=4, microbatches=8, schedule=schedule, stage=s, **shape)
+                  for s in range(4)]
+        assert [p.in_flight for p in stages] == held
+        per_block = micro.saved_in_blocks / arch.layers  # one block each: the blocks' part scales with what is held
+        assert [p.saved_in_blocks for p in stages] == pytest.approx([n * per_block for n in held])
+        output = arch.linears[arch.output_layer][0] * arch.linears[arch.output_layer][1]
+        assert sum(p.total_params for p in stages) == arch.total_params + output * arch.tied_embeddings
+        assert planner.split_estimate(arch, "full", pp=4, microbatches=8, schedule=schedule, **shape).peak == max(
+            p.peak for p in stages), "the plan is the busiest stage's"

@@ -89,13 +89,14 @@ def test_readme_series_table_shows_each_lessons_checked_claims(tmp_path, monkeyp
 
 
 def test_the_readme_fits_table_is_the_planners():
-    """The planner page's what-fits-per-card table is generated, never typed: regenerate it when the planner
+    """The planner page's what-fits-per-card tables are generated, never typed: regenerate them when the planner
     changes (python scripts/update_readme.py)."""
-    from my_utils.tools.planner import fits_table
+    from my_utils.tools.planner import fits_table, split_fits_table
 
     update_readme = load_script("update_readme")
     page = (REPO_ROOT / "docs" / "planner.md").read_text(encoding="utf-8")
     assert "\n".join([update_readme.FITS_START, fits_table(), update_readme.FITS_END]) in page
+    assert "\n".join([update_readme.SPLITS_START, split_fits_table(), update_readme.SPLITS_END]) in page
 
 
 def test_the_readme_demo_time_is_the_reference_runs():

@@ -116,6 +116,13 @@ def make_schedule(name: str, stage, microbatches: int, loss_fn=None):
 # endregion
 
 
+def in_flight(schedule: str, stages: int, microbatches: int, stage: int) -> int:
+    """Micro-batches stage ``stage`` (0 first) holds between their forward and their backward at its peak: GPipe
+    runs every forward first (all M), 1F1B starts a backward as soon as one can (S - s of them, at most M). The
+    planner (``my_utils.tools.planner.model_parallel``) plans pipeline memory with it."""
+    return microbatches if schedule == "gpipe" else min(stages - stage, microbatches)
+
+
 MULTI_STAGE_SCHEDULES = {  # torch's schedules with several stages per process, by the names their papers use
     "interleaved 1F1B": "ScheduleInterleaved1F1B", "interleaved zero bubble": "ScheduleInterleavedZeroBubble",
     "zero bubble V": "ScheduleZBVZeroBubble"}
@@ -428,8 +435,7 @@ def pipeline_summary(cfg: Config, world_size: int, reports: list, reference_loss
         "grad_rel_diff": max(r["grad_rel_diff"] for r in reports),
         # activations wait for their backward: GPipe keeps every micro-batch's, 1F1B at most one per later stage
         "in_flight": [r["in_flight"] for r in reports],
-        "in_flight_expected": [cfg.microbatches if cfg.schedule == "gpipe" else min(cfg.microbatches, world_size - r)
-                               for r in range(world_size)],
+        "in_flight_expected": [in_flight(cfg.schedule, world_size, cfg.microbatches, r) for r in range(world_size)],
         "reference_loss": reference_loss,
         "pipelined_loss": last["pipelined_loss"],
         "train_loss_first": last["losses"][0],
