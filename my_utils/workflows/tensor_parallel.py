@@ -305,15 +305,32 @@ def train(cfg: Config) -> dict:
                    f"{check['grad_rel_diff']:.1e} of their largest, parameters after the step by "
                    f"{check['param_max_diff']:.1e}")
         losses, runtime = train_steps(model, batches[1:], cfg.learning_rate)
+        waited = collective_wait(model, batches[-1])
         for step, loss in enumerate(losses, start=1):
             life.log({"step": step, "loss": loss})
         reports = life.gather({"rank": dist.get_rank(), "world_size_seen": dist.get_world_size(), **check,
                                "parameters": parameter_split(model, world_size), "losses": losses,
+                               "collective_wait": waited,
                                "memory": {"rank": dist.get_rank(), "end": snapshot(device)}})
         life.finish(summarize(cfg, mode, config, world_size, reports, runtime) if life.is_main else None)
         print0(f"{mode}: every process holds {life.summary['parameters_local'][0]:,} of "
                f"{life.summary['total_parameters']:,} parameters; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
     return life.summary
+
+
+def collective_wait(model, batch) -> dict:
+    """One more forward and backward on ``batch``, under torch's profiler: how long this process waited for its
+    collectives (``wait_tensor``: communication that no computation hid), as seconds and as a share of the step.
+    Its gradients are cleared afterwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        started = time.perf_counter()
+        model(input_ids=batch, labels=batch).loss.backward()
+        step = time.perf_counter() - started
+    waited = sum(e.cpu_time_total for e in profiled.events() if e.name.endswith("::wait_tensor")) / 1e6
+    model.zero_grad(set_to_none=True)
+    return {"step_s": step, "waited_s": waited, "share": waited / step}
 
 
 def train_steps(model, batches, learning_rate: float) -> tuple[list[float], float]:
@@ -365,6 +382,8 @@ def summarize(cfg: Config, mode: str, config, world_size: int, reports: list, ru
         "train_losses": first["losses"], "train_loss_first": first["losses"][0],
         "train_loss_final": first["losses"][-1], "runtime_s": runtime,
         "samples_per_s": cfg.max_steps * cfg.batch_size / runtime,
+        # one more forward and backward, profiled: the share of it each process spent waiting for collectives
+        "collective_wait_share": [r["collective_wait"]["share"] for r in reports],
         "memory": [r["memory"] for r in reports],
         "peak_memory_bytes": max(peak_bytes(r["memory"]["end"]) for r in reports),
     }
