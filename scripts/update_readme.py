@@ -5,10 +5,11 @@ the planner (never typed by hand).
     python scripts/update_readme.py     # reads runs/reference/, rewrites those pages in place
 
 The series table (between ``<!-- series:start -->`` and ``<!-- series:end -->``) lists every notebook with what it
-teaches and the claims its closing cell checked, with their measured figures, read from the ``claims.json`` each
-lesson wrote in the reference demo run (``runs/reference/cpu_x2``). ``runs/reference/README.md`` holds the
-markdown tables of ``python -m my_utils compare runs/reference/<folder> --markdown`` for each reference folder, or,
-for a folder of benchmarks written by ``python -m my_utils bench``, their table of ratios; the README's section
+teaches, read from the notebook's first cell. ``runs/reference/README.md`` lists the claims each lesson's closing
+cell checked, with their measured figures, read from the ``claims.json`` each lesson wrote in the reference demo
+run (``runs/reference/cpu_x2``), then the markdown tables of ``python -m my_utils compare runs/reference/<folder>
+--markdown`` for each reference folder, or, for a folder of benchmarks written by ``python -m my_utils bench``, their
+table of ratios; the README's section
 between ``<!-- results:start -->`` and ``<!-- results:end -->`` points there. The table between ``<!-- fits:start -->`` and
 ``<!-- fits:end -->`` is the memory planner's ``fits_table``, the one between ``<!-- splits:start -->`` and
 ``<!-- splits:end -->`` its ``split_fits_table``. The section between ``<!-- gpu:start -->`` and
@@ -39,41 +40,6 @@ SPLITS_START, SPLITS_END = "<!-- splits:start -->", "<!-- splits:end -->"
 GPU_START, GPU_END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 DEMO_START, DEMO_END = "<!-- demo:start -->", "<!-- demo:end -->"
 GPU_REFERENCE = REFERENCE / "gpu_x1"  # the reference GPU check
-# What each notebook teaches; what it showed comes from the reference run.
-LESSONS = {
-    "00_setup": ("setup", "versions, devices, presets, what runs where on this machine"),
-    "01_data_parallel": ("data parallel", "`torch.nn.DataParallel`: scatter, replicate, gather, and why one process "
-                         "limits it"),
-    "02_ddp": ("DDP", "process groups, `DistributedSampler` + `set_epoch`, gradient all-reduce; raw torch and the "
-               "Trainer under `torchrun`"),
-    "03_accelerate": ("accelerate", "a plain loop turned into an accelerate loop one feature at a time "
-                      "(`# New Code #`); `accelerate config`, `accelerate env` and the config file a launch reads"),
-    "04_lora": ("LoRA", "adapters, trainable parameters, LoRA beside full fine-tuning, a run in TensorBoard, adapter "
-                "size, merging"),
-    "05_lora_ddp": ("LoRA + DDP", "one function, two launchers; per-rank device map and memory; the learning-rate "
-                    "rule for a bigger batch, measured; speed and quality against one process"),
-    "06_qlora": ("QLoRA", "8-bit and 4-bit NF4 base weights, the memory breakdown against the arithmetic, quality "
-                 "with one fixed scorer"),
-    "07_rank_sweep": ("rank sweep", "what a bigger LoRA rank buys and costs, rank apart from scaling and learning "
-                      "rate; one fresh process per run"),
-    "08_model_pipeline_parallel": ("model and pipeline parallel", "a balanced layer split, its idle time, a GPipe "
-                                   "schedule with `torch.distributed.pipelining`"),
-    "09_tensor_parallel": ("tensor, sequence, context and 2D parallel", "Megatron's column and row splits with "
-                           "`parallelize_module` on a tiny Llama, ring attention, a dp x tp mesh: each step equal to the "
-                           "whole model's, collectives and bytes counted against the arithmetic, memory per process"),
-    "10_sharding": ("sharded data parallel", "ZeRO-1, 2 and 3 (`ZeroRedundancyOptimizer`, FSDP2 `fully_shard`) beside "
-                    "DDP: same losses, memory per process measured against the formulas, communication per step; LoRA "
-                    "on a sharded base, its adapter saved whole"),
-    "11_classification": ("classification", "full vs LoRA on one device, with DDP and as a pipeline"),
-    "12_traps": ("traps", "failures people hit in distributed fine-tuning, each sprung and cured: loss "
-                 "normalisation, checkpointing a frozen base, reentrant checkpointing under DDP, sharded adapter saves, "
-                 "an upcast frozen base, `device_map=\"auto\"` under DDP, `notebook_launcher` refusing, evaluating "
-                 "before training"),
-    "13_peft_methods": ("PEFT methods", "LoRA, DoRA, IA3, prompt, P- and prefix tuning, VeRA and LN tuning beside full "
-                        "fine-tuning, each a peft config file at its better learning rate: quality, parameters, "
-                        "step time, forgetting, merging"),
-    "14_compare": ("compare runs", "tables and plots from results folders, the memory planner beside measurement"),
-}
 
 
 def machine(folder: Path) -> str:
@@ -98,9 +64,10 @@ def bench_runs(folder: Path) -> list[dict]:
 
 RESULTS_FILE = REFERENCE / "README.md"  # the reference runs' tables, generated: too long for the README itself
 RESULTS_POINTER = "\n".join([
-    START, "", "The tables of the reference runs (each run's settings, speedup, memory per device, batch and learning "
-    "rate,", "quality) are generated into [runs/reference/README.md](runs/reference/README.md) by "
-    "`python scripts/update_readme.py`.", "", END])
+    START, "", "What each lesson's closing cell checked in the reference run, with its figures, and the tables of the "
+    "reference", "runs (each run's settings, speedup, memory per device, batch and learning rate, quality) are "
+    "generated into", "[runs/reference/README.md](runs/reference/README.md) by `python scripts/update_readme.py`.", "",
+    END])
 
 
 def results_section() -> str:
@@ -130,17 +97,45 @@ def demo_sentence() -> str:
             f"machine{DEMO_END}")
 
 
+TEACHES = "*What it teaches:* "  # the line of a notebook's first cell that the series table shows
+
+
+def lessons() -> list[tuple[str, str, str]]:
+    """(stem, title, what it teaches) of every notebook of the series, in order, read from its first cell: the
+    title from its heading (``# 04 · LoRA on one device``), the rest from its line starting with ``TEACHES``."""
+    import json
+
+    found = []
+    for path in sorted((REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        first = "".join(json.loads(path.read_text(encoding="utf-8"))["cells"][0]["source"])
+        teaches = [line.removeprefix(TEACHES) for line in first.splitlines() if line.startswith(TEACHES)]
+        if not first.startswith("# ") or len(teaches) != 1:
+            raise SystemExit(f"{path.name}: its first cell needs a '# NN · title' heading and one line starting with "
+                             f"{TEACHES!r}.")
+        found.append((path.stem, first.splitlines()[0].split("·", 1)[-1].strip(), teaches[0]))
+    return found
+
+
 def series_section() -> str:
-    """The series table: each notebook, what it teaches, and each claim it checked with the figure measured in
-    the reference demo run ("not recorded" where the reference run has no claims file for it)."""
-    rows = [SERIES_START, "| # | notebook | what it teaches | what the reference run showed (checked by its last cell) |",
-            "|---|---|---|---|"]
-    for stem, (title, teaches) in LESSONS.items():
+    """The README's series table: each notebook and what it teaches, as its first cell says."""
+    rows = [SERIES_START, "| # | lesson | what it teaches |", "|---|---|---|"]
+    rows += [f"| {stem[:2]} | [{title}](notebooks/{stem}.ipynb) | {teaches} |" for stem, title, teaches in lessons()]
+    rows.append(SERIES_END)
+    return "\n".join(rows)
+
+
+def claims_section() -> str:
+    """runs/reference/README.md's table of what each lesson's closing cell checked in the reference demo run, with
+    the figures measured ("not recorded" where the reference run has no claims file for it)."""
+    rows = ["## What each lesson showed", "",
+            "Each claim below was asserted by the lesson's closing cell in the reference demo run "
+            f"(`runs/reference/{DEMO_REFERENCE.name}`), and its figure is that run's.", "", "| # | lesson | claims checked, with the reference run's figures |",
+            "|---|---|---|"]
+    for stem, title, _ in lessons():
         claims_file = DEMO_REFERENCE / stem / CLAIMS_FILE
         shown = "<br>".join(f"{c['claim']}: {c['figure']}" for c in read_json(claims_file)) \
             if claims_file.is_file() else "not recorded"
-        rows.append(f"| {stem[:2]} | [{title}](notebooks/{stem}.ipynb) | {teaches} | {shown} |")
-    rows.append(SERIES_END)
+        rows.append(f"| {stem[:2]} | [{title}](../../notebooks/{stem}.ipynb) | {shown} |")
     return "\n".join(rows)
 
 
@@ -180,7 +175,7 @@ def main() -> None:
     missing = [start for start, _ in sections if start not in found]
     if missing:
         raise SystemExit(f"No page has the {missing[0]} section to replace.")
-    RESULTS_FILE.write_text(f"# Reference results\n\n{results_section()}\n", encoding="utf-8")
+    RESULTS_FILE.write_text(f"# Reference results\n\n{claims_section()}\n\n{results_section()}\n", encoding="utf-8")
     print("The generated sections of README.md and docs/, and runs/reference/README.md, regenerated from",
           REFERENCE.relative_to(REPO_ROOT))
 

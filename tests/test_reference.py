@@ -2,6 +2,7 @@
 paths of the machine that ran it) and how the README's results section is generated from them."""
 
 import importlib.util
+import re
 import sys
 
 import pytest
@@ -71,21 +72,39 @@ def test_readme_section_has_comparison_and_benchmark_tables(tmp_path, monkeypatc
     assert "| ddp |" not in section  # a failed benchmark never enters a table
 
 
-def test_readme_series_table_shows_each_lessons_checked_claims(tmp_path, monkeypatch):
+def test_the_series_table_reads_the_notebooks_and_the_claims_table_the_reference_run(tmp_path, monkeypatch):
     from my_utils.run.results import record_claims
 
     update_readme = load_script("update_readme")
-    monkeypatch.setattr(update_readme, "DEMO_REFERENCE", tmp_path / "cpu_x2")
-    record_claims(tmp_path / "cpu_x2" / "04_lora", [("LoRA learns", "exact match 0.05 -> 0.69"), ("small", "1 KiB")])
-
+    monkeypatch.setattr(update_readme, "DEMO_REFERENCE", REPO_ROOT / "runs" / "x" / "cpu_x2")
+    notebooks = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     table = update_readme.series_section().splitlines()
     assert table[0] == update_readme.SERIES_START and table[-1] == update_readme.SERIES_END
-    rows = {row.split(" | ")[0].strip("| "): row for row in table[3:-1]}
-    assert list(rows) == [stem[:2] for stem in update_readme.LESSONS]  # every notebook, in order
+    assert [row.split(" | ")[0].strip("| ") for row in table[3:-1]] == [stem[:2] for stem in notebooks]
+    assert "| [LoRA on one device](notebooks/04_lora.ipynb) | Adapters, trainable parameters" in table[7]
+
+    monkeypatch.setattr(update_readme, "DEMO_REFERENCE", tmp_path / "cpu_x2")
+    record_claims(tmp_path / "cpu_x2" / "04_lora", [("LoRA learns", "exact match 0.05 -> 0.69"), ("small", "1 KiB")])
+    rows = {row.split(" | ")[0].strip("| "): row for row in update_readme.claims_section().splitlines()
+            if re.match(r"\| \d\d \|", row)}
+    assert list(rows) == [stem[:2] for stem in notebooks]  # every notebook, in order
     assert rows["04"].endswith("| LoRA learns: exact match 0.05 -> 0.69<br>small: 1 KiB |")
     assert rows["05"].endswith("| not recorded |")  # a lesson without a claims file says so, never a stale figure
-    notebooks = sorted(p.stem for p in (REPO_ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-    assert sorted(update_readme.LESSONS) == notebooks, "the table lists exactly the notebooks of the series"
+
+
+def test_a_notebook_without_its_teaches_line_stops_the_generator(tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    update_readme = load_script("update_readme")
+    (tmp_path / "notebooks").mkdir()
+    nb = json.loads((REPO_ROOT / "notebooks" / "00_setup.ipynb").read_text(encoding="utf-8"))
+    nb["cells"][0]["source"] = ["# 00 · Setup\n", "\n", "No line says what it teaches."]
+    (tmp_path / "notebooks" / "00_setup.ipynb").write_text(json.dumps(nb), encoding="utf-8")
+    shutil.copy(REPO_ROOT / "notebooks" / "04_lora.ipynb", tmp_path / "notebooks")
+    monkeypatch.setattr(update_readme, "REPO_ROOT", tmp_path)
+    with pytest.raises(SystemExit, match="00_setup.ipynb: its first cell needs"):
+        update_readme.lessons()
 
 
 def test_the_readme_fits_table_is_the_planners():
