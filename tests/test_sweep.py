@@ -51,12 +51,12 @@ def test_cells_are_the_grids_combinations_each_once():
         "rank2_alpha32_lr0.002", "rank16_alpha32_lr0.002", "rank16_alpha32_lr0.004", "full_lr0.0004",
         "rank4_c_attn+c_fc_rslora", "rank4_c_attn+c_fc"]
     assert spec.cells()[0] == {"rank": 2, "alpha": 32.0, "learning_rate": 0.002}, "values as the workflow reads them"
-    cmd = sweep.cell_command(spec, spec.cells()[4], sweep.Path("out"))
+    cmd = sweep.cell_command(spec, spec.cells()[4], Path("out"))
     assert cmd[1:3] == ["-m", "my_utils.workflows.lora"]
     # every value passes through, 0 included (--seed 0 was dropped, and --max-steps 0 ran the default 250 steps)
     assert cmd[cmd.index("--seed") + 1] == "0" and cmd[cmd.index("--max-steps") + 1] == "5"
     assert "--rslora" in cmd and cmd[cmd.index("--targets") + 1:cmd.index("--targets") + 3] == ["c_attn", "c_fc"]
-    assert "--rslora" not in sweep.cell_command(spec, spec.cells()[5], sweep.Path("out")), "False: the default"
+    assert "--rslora" not in sweep.cell_command(spec, spec.cells()[5], Path("out")), "False: the default"
 
 
 def test_a_cell_that_runs_what_an_earlier_one_runs_is_that_cell():
@@ -78,12 +78,12 @@ def test_every_adapter_field_is_sweepable_with_no_edit_in_the_sweep():
     from my_utils.core.adapters import AdapterSpec
 
     flags = {f.name for f in fields(AdapterSpec) if f.metadata.get("flag") is not False}
-    assert flags == {f.name for f in fields(AdapterSpec)} - {"peft"} and flags <= set(sweep._options())
+    assert flags == {f.name for f in fields(AdapterSpec)} - {"peft"} and flags <= set(sweep.workflow_options())
     assert set(sweep.ADAPTER_SETTINGS) <= set(sweep.SETTINGS)
     spec = sweep.SweepSpec(args={"max_steps": 3}, grids=[{"rank": [4], "dora": [True, False], "dropout": [0, 0.1]}])
     assert [sweep.cell_name(c) for c in spec.cells()] == [
         "rank4_dropout0_dora", "rank4_dropout0.1_dora", "rank4_dropout0", "rank4_dropout0.1"]
-    cmd = sweep.cell_command(spec, spec.cells()[1], sweep.Path("out"))
+    cmd = sweep.cell_command(spec, spec.cells()[1], Path("out"))
     assert "--dora" in cmd and cmd[cmd.index("--dropout") + 1] == "0.1"
 
 
@@ -154,7 +154,7 @@ def test_complete_cells_are_skipped_and_failed_ones_rerun(tmp_path, monkeypatch)
     ran, fail, jobs, steady = [], set(), 2, True
 
     def fake_start(cmd, env, log):  # trains nothing: writes a folder like the workflow's
-        name = sweep.Path(cmd[cmd.index("--output-dir") + 1]).name
+        name = Path(cmd[cmd.index("--output-dir") + 1]).name
         cell = next(c for c in [*spec.cells(), *more.cells()] if sweep.cell_name(c) == name)
         ran.append(name)
         assert (env.get("MALLOC_MMAP_THRESHOLD_") == sweep.STEADY_MEMORY_ENV["MALLOC_MMAP_THRESHOLD_"]) == steady
@@ -164,7 +164,7 @@ def test_complete_cells_are_skipped_and_failed_ones_rerun(tmp_path, monkeypatch)
         return Finished(1 if name in fail else 0)
 
     more = sweep.SweepSpec(grids=[{"rank": [2, 32, 64], "alpha": [32]}])
-    monkeypatch.setattr(sweep, "_start", fake_start)
+    monkeypatch.setattr(sweep.running, "_start", fake_start)
     rows = sweep.run_sweep(spec, out, jobs=2)
     assert ran == ["rank4_alpha32", "rank16_alpha32"]
     assert [r["rank"] for r in rows] == [2, 4, 16]
@@ -275,7 +275,7 @@ def test_a_cell_that_refuses_its_settings_stops_the_sweep_with_its_sentence(tmp_
         log.write("lora: error: The data file is empty; pass one with rows.\n")
         return Finished(2)
 
-    monkeypatch.setattr(sweep, "_start", refusing_start)
+    monkeypatch.setattr(sweep.running, "_start", refusing_start)
     with pytest.raises(UserError, match="rank2_alpha32 refused its settings, and the sweep stopped: The data file"):
         sweep.run_sweep(sweep.SweepSpec(grids=[{"rank": [2, 4], "alpha": [32]}]), out)
     assert len(ran) == 1, "the other cells would refuse it too"
@@ -285,7 +285,7 @@ def test_a_model_neither_cached_nor_downloadable_stops_the_sweep_before_any_cell
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty_cache"))  # even where it is cached
-    monkeypatch.setattr(sweep, "_start", lambda *a: pytest.fail("no cell may start"))
+    monkeypatch.setattr(sweep.running, "_start", lambda *a: pytest.fail("no cell may start"))
     spec = sweep.SweepSpec(preset="opt-350m", grids=[{"rank": [8], "alpha": [16]}])
     with pytest.raises(UserError, match="facebook/opt-350m is not in the Hugging Face cache"):  # offline in tests
         sweep.run_sweep(spec, tmp_path / "sweep")
@@ -324,11 +324,11 @@ def test_a_data_file_value_names_a_safe_folder_and_its_file_is_never_touched(tmp
     (out / names[0]).write_text("a stray file with a cell's name")  # unreadable as a run: set aside, inside out
 
     def fake_start(cmd, env, log):
-        cell = next(c for c in spec.cells() if sweep.cell_name(c) == sweep.Path(cmd[cmd.index("--output-dir") + 1]).name)
+        cell = next(c for c in spec.cells() if sweep.cell_name(c) == Path(cmd[cmd.index("--output-dir") + 1]).name)
         make_cell(out, cell)
         return Finished(0)
 
-    monkeypatch.setattr(sweep, "_start", fake_start)
+    monkeypatch.setattr(sweep.running, "_start", fake_start)
     sweep.run_sweep(spec, "sweep")  # relative: resolved where the command runs
     assert data.read_text() == TINY_ROWS and (tmp_path / relative).read_text() == TINY_ROWS
     assert sorted(p.name for p in out.iterdir()) == sorted([*names, f"{names[0]}.unreadable", "sweep.json"])
@@ -346,10 +346,10 @@ def test_one_sweep_per_folder_and_secrets_stay_out_of_its_record(tmp_path, monke
     out = tmp_path / "sweep"
     out.mkdir()
     with held_elsewhere(out):
-        monkeypatch.setattr(sweep, "_start", lambda *a: pytest.fail("no cell may start"))
+        monkeypatch.setattr(sweep.running, "_start", lambda *a: pytest.fail("no cell may start"))
         with pytest.raises(UserError, match="sweep folder .* is being written by another process right now"):
             sweep.run_sweep(spec, out)
-    monkeypatch.setattr(sweep, "_start", lambda cmd, env, log: (make_cell(out, spec.cells()[0]), Finished(0))[1])
+    monkeypatch.setattr(sweep.running, "_start", lambda cmd, env, log: (make_cell(out, spec.cells()[0]), Finished(0))[1])
     sweep.run_sweep(spec, out)  # the other sweep is gone: its lock went with it
     assert secret not in (out / "sweep.json").read_text() and "<redacted>" in (out / "sweep.json").read_text()
 
@@ -366,7 +366,7 @@ def test_sigterm_stops_the_running_cells_and_says_how_to_go_on(tmp_path, monkeyp
         started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
         return started[-1]
 
-    monkeypatch.setattr(sweep, "_start", slow_start)
+    monkeypatch.setattr(sweep.running, "_start", slow_start)
     before = signal.getsignal(signal.SIGTERM)
     threading.Timer(1.0, lambda: signal.raise_signal(signal.SIGTERM)).start()
     with pytest.raises(KeyboardInterrupt, match=r"SIGTERM; 1 cell\(s\) stopped \(rank2_alpha32\): run the same "

@@ -263,27 +263,10 @@ def check_wrapped(model, world_size: int) -> None:
                         "before training with my_utils.core.evaluation.held_out_loss.")
 
 
-def install_fake_oom(model) -> bool:
-    """Fault injection: with COURSE_FAKE_OOM_ABOVE=n, a training forward with more than n rows raises
-    torch.OutOfMemoryError (as a GPU would), to test the batch-size back-off. Returns whether it is on."""
-    limit = os.environ.get(FAKE_OOM_ABOVE)
-    if not limit:
-        return False
-    import torch
-
-    def hook(module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if module.training and ids is not None and ids.shape[0] > int(limit):
-            raise torch.OutOfMemoryError(f"Fake out of memory. A batch of {ids.shape[0]} rows is above "
-                                         f"{FAKE_OOM_ABOVE}={limit}.")
-
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-    return True
-
-
 def fault_settings() -> dict:
-    """The fault injection the COURSE_* variables ask for (step, rank, mode, delay; None or 0 where unset). A crash
-    is injected in the first attempt only: workers that an elastic launcher restarts (``--max-restarts``) run on."""
+    """The fault injection the COURSE_* variables ask for (step, rank, mode, delay, oom_above; None or 0 where
+    unset). A crash is injected in the first attempt only: workers that an elastic launcher restarts
+    (``--max-restarts``) run on."""
     mode = os.environ.get(CRASH_MODE, "raise")
     if mode not in CRASH_MODES:
         raise UserError(f"{CRASH_MODE}={mode!r} is not a fault mode; use one of {', '.join(CRASH_MODES)}.")
@@ -293,6 +276,7 @@ def fault_settings() -> dict:
         "rank": int(os.environ[CRASH_RANK]) if os.environ.get(CRASH_RANK) else None,
         "mode": mode,
         "delay": float(os.environ.get(STEP_DELAY) or 0),
+        "oom_above": int(os.environ.get(FAKE_OOM_ABOVE) or 0),
     }
 
 
@@ -346,6 +330,12 @@ def reliability_callbacks(world_size: int = 1) -> dict:
                 raise KeyboardInterrupt(Sigterm.name)
 
     class InjectFaults(TrainerCallback):
+        def on_train_begin(self, args, trainer_state, control, model=None, **kwargs):
+            # a training forward of more than COURSE_FAKE_OOM_ABOVE rows raises as a GPU out of memory would
+            if faults["oom_above"] and not getattr(model, "_fake_oom", False):
+                model.register_forward_pre_hook(fake_oom_hook, with_kwargs=True)
+                model._fake_oom = True
+
         def on_step_end(self, args, trainer_state, control, **kwargs):
             if faults["delay"]:
                 time.sleep(faults["delay"])
@@ -359,7 +349,13 @@ def reliability_callbacks(world_size: int = 1) -> dict:
                 os.kill(os.getpid(), signal.SIGSTOP)
             raise RuntimeError(f"injected crash {where}")
 
+    def fake_oom_hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if module.training and ids is not None and ids.shape[0] > faults["oom_above"]:
+            raise torch.OutOfMemoryError(f"Fake out of memory. A batch of {ids.shape[0]} rows is above "
+                                         f"{FAKE_OOM_ABOVE}={faults['oom_above']}.")
+
     callbacks = {"manifest": CheckpointManifest(), "stop": StopOnSigterm()}
-    if faults["step"] is not None or faults["delay"]:
+    if faults["step"] is not None or faults["delay"] or faults["oom_above"]:
         callbacks["faults"] = InjectFaults()
     return callbacks

@@ -1,4 +1,5 @@
-"""The tools behind ``python -m my_utils <command>``: compare, plan, sweep, env, demo, bench. They read and write
-results folders through the run layer. Lessons use them as a learner would (lesson 07 sweeps, lesson 14 compares and
-plans); no workflow imports them (tests/test_import_hygiene.py).
+"""The tools behind ``python -m my_utils <command>``: compare, plan, sweep, env, demo, bench, gpucheck. They read and
+write results folders through the run layer. Lessons use them as a learner would: sweeps in lessons 06, 07 and 13,
+the planner in 06, 08, 09 and 14, compare in 14, the environment report in 00; no workflow imports them
+(tests/test_import_hygiene.py).
 """

@@ -246,7 +246,7 @@ def train(cfg: Config) -> dict:
     from my_utils.core.models import add_adapter, build_causal_lm, count_parameters
     from my_utils.core.printing import print0
     from my_utils.run.callbacks import TokenCounter, make_callbacks
-    from my_utils.run.faults import course_trainer_class, install_fake_oom, reliability_callbacks
+    from my_utils.run.faults import course_trainer_class, reliability_callbacks
 
     set_seed(cfg.seed)
     tokenizer, eval_rows = inputs["tokenizer"], inputs["eval_rows"]
@@ -265,7 +265,6 @@ def train(cfg: Config) -> dict:
             model = add_adapter(model, cfg.adapter)  # peft's config from the spec: cfg.adapter.peft_config(...)
         # endregion
         chunked_loss = cfg.chunked_loss and use_chunked_loss(model)
-        install_fake_oom(model)
         params = count_parameters(model)
         print0(f"trainable parameters: {params['trainable']:,} of {params['total']:,} "
                f"({100 * params['trainable_fraction']:.2f}%); learning rate {learning_rate:g}")
