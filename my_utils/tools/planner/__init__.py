@@ -4,6 +4,7 @@
     python -m my_utils plan --preset gpt2 --method full --dtype bf16 --processes 4 --memory 24GiB
     python -m my_utils plan --preset opt-350m --method full --processes 8 --zero 3 --device A100-40GB
     python -m my_utils plan --preset tiny --method lora --batch-size 16 --max-length 64 --device cpu   # a CPU process
+    python -m my_utils plan --preset opt-350m --method full --dtype bf16 --tp 2 --pp 2 --microbatches 8 --processes 2
 
 The architecture comes from the preset's shipped ``config.json``, built on PyTorch's ``meta`` device (shapes,
 no memory) for exact parameter counts (tied embeddings counted once); the LoRA parameters are counted from the
@@ -35,6 +36,10 @@ ZeroRedundancyOptimizer and FSDP2): stage 1 divides the optimizer states by the 
 gradients and the stored weights, but gathers every weight whole from forward to backward (FSDP2's
 ``reshard_after_forward=False``), stage 3 gathers only the unit at work: the root (embeddings, norms outside the
 blocks) and one block.
+
+With ``--tp`` and ``--pp`` each data-parallel replica is itself split, over tensor-parallel processes (Megatron's
+plan, as lesson 09 trains it) and pipeline stages with micro-batches in flight (lesson 08); the plan is then the
+busiest stage's process (``model_parallel``).
 
 The sum is the planned peak of tensor memory per process (= per device: without ZeRO, data-parallel processes each
 hold a full replica). On a GPU the plan adds the CUDA context (``CUDA_CONTEXT``, outside torch's counters); on a CPU
