@@ -19,6 +19,12 @@ def norm_bytes(arch: Architecture, tokens: int, trains: bool) -> float:
     return own + (tokens * arch.hidden * RESIDUAL_BYTES if arch.norm == "rms" and trains else 0)
 
 
+def residual_masks(arch: Architecture, tokens: int, act_bytes: int, device: str) -> float:
+    """Bytes of one layer's two residual dropout masks (none without dropout): a CPU dropout keeps its mask as a full
+    tensor of the activation dtype, CUDA one byte per element."""
+    return 2 * tokens * arch.hidden * (act_bytes if device == "cpu" else 1) if arch.dropout else 0
+
+
 def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, kept: dict[str, float], *,
                       held: dict[str, float] | None = None, device: str = "cuda", rank: int = 0,
                       norms_train: bool = False, quantized_up: bool = False) -> float:
@@ -52,7 +58,6 @@ def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, 
     saved, relu_like = ACTIVATIONS[arch.activation]
     if arch.gated_mlp:
         saved, relu_like = saved + GATED_MLP_BYTES, False
-    mask_bytes = act_bytes if device == "cpu" else 1
     fused = device != "cpu" or not arch.attention_dropout
     autocast = act_bytes < RESIDUAL_BYTES
 
@@ -84,7 +89,6 @@ def layer_activations(arch: Architecture, batch: int, seq: int, act_bytes: int, 
     else:
         # weights, mask (on a CPU, of the weights' dtype) and dropped weights
         attention = batch * arch.heads * seq * seq * 3 * attention_bytes
-    masks = 2 * th * mask_bytes if arch.dropout else 0  # the two residual dropouts
-    return own + projections + attention + masks
+    return own + projections + attention + residual_masks(arch, tokens, act_bytes, device)
 
 

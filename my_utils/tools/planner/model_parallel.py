@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from my_utils import UserError
-from my_utils.tools.planner.activations import norm_bytes
-from my_utils.tools.planner.arithmetic import ADAMW_STATE_BYTES, TRAINABLE_BYTES, Plan, estimate, shard
+from my_utils.tools.planner.activations import norm_bytes, residual_masks
+from my_utils.tools.planner.arithmetic import ADAMW_STATE_BYTES, DTYPES, TRAINABLE_BYTES, Plan, estimate, shard
 from my_utils.tools.planner.layout import Architecture, in_block, lora_parameters, role_of
 from my_utils.workflows.pipeline_parallel import SCHEDULES, in_flight
 
@@ -83,12 +83,12 @@ def tensor_shard(arch: Architecture, tp: int) -> Architecture:
                    linears=linears, total_params=arch.total_params - removed)
 
 
-def sequence_parallel_saving(arch: Architecture, tokens: int, tp: int, trains_norms: bool,
+def sequence_parallel_saving(arch: Architecture, tokens: int, tp: int, trains_norms: bool, act_bytes: int,
                              device: str) -> tuple[float, float]:
     """What sequence parallel takes off one process's saved activations, (in the blocks, outside them): all but
     1/tp of every norm's tensors (two per block, and those outside the blocks) and of the residual dropout masks."""
-    masks = 2 * tokens * arch.hidden * (4 if device == "cpu" else 1) if arch.dropout else 0
     kept = 1 - 1 / tp
+    masks = residual_masks(arch, tokens, act_bytes, device)
     return (arch.layers * (2 * norm_bytes(arch, tokens, trains_norms) + masks) * kept,
             arch.extra_norms * norm_bytes(arch, tokens, trains_norms) * kept)
 
@@ -145,7 +145,8 @@ def split_estimate(arch: Architecture, method: str, *, tp: int = 1, pp: int = 1,
                     chunked_loss=chunked_loss and tp == 1)  # tensor parallel gathers the logits for the plain loss
     micro = estimate(held, method, batch=batch // microbatches if pp > 1 else batch, **settings)
     if tp > 1 and sequence_parallel:
-        in_blocks, outside = sequence_parallel_saving(arch, micro.batch * seq, tp, method == "full", device)
+        in_blocks, outside = sequence_parallel_saving(arch, micro.batch * seq, tp, method == "full",
+                                                     DTYPES[dtype], device)
         micro = replace(micro, saved_activations=micro.saved_activations - in_blocks - outside,
                         saved_in_blocks=micro.saved_in_blocks - in_blocks)
     micro = replace(micro, tp=tp, sequence_parallel=sequence_parallel and tp > 1)
