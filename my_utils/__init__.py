@@ -9,16 +9,23 @@ Importing this package is cheap: it imports no torch-heavy training libraries (p
 """
 
 import logging
+import os
+import sys
 import warnings
 
 __version__ = "0.1.0"
 
 # Notices from inside the libraries that a reader of the course can do nothing about (the calls are the
-# libraries' own); hidden here so that they do not bury the lessons' output. tqdm's: without ipywidgets it draws
-# text progress bars, which is what the course wants.
+# libraries' own); hidden here so that they do not bury the lessons' output. tqdm's: without ipywidgets (a kernel
+# installed without them) it draws text progress bars, which serve as well.
 for _notice in (r"`is_gradient_checkpointing` is deprecated", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                 r"IProgress not found"):
     warnings.filterwarnings("ignore", message=_notice)
+# In a notebook's kernel with the hub offline (as `make` runs it), the libraries' own bars (weights loaded from disk in
+# a moment) would each leave a widget that a saved notebook shows at 0%; the course draws one bar per run
+# (core/progress.py). Online, downloads keep their bars.
+if "ipykernel" in sys.modules and os.environ.get("HF_HUB_OFFLINE") == "1":
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # bitsandbytes, on CPUs with AVX512-BF16, tries to fetch an optional kernel from the hub when it is imported and logs
 # its absence; it then uses its own CPU kernel, which is what the course measures.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(

@@ -7,6 +7,7 @@ stay readable (160 characters at most), and every page of docs/ is linked from t
 import re
 import shlex
 from importlib import import_module
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,22 @@ def test_every_page_of_docs_is_linked_from_the_readme_and_its_lines_are_readable
         written = GENERATED.sub("", page.read_text(encoding="utf-8"))
         long = [line[:60] for line in written.splitlines() if len(line) > 160]
         assert long == [], f"{page.name}: lines over 160 characters: {long}"
+
+
+def test_every_script_the_pages_name_exists_and_its_help_answers():
+    import importlib.util
+    import inspect
+
+    named = sorted(set(re.findall(r"python (scripts/\w+\.py)", pages_text())))
+    assert {"scripts/update_readme.py", "scripts/check_colossalai_pins.py", "scripts/screenshot_lesson.py"} <= set(named)
+    for path in named:
+        spec = importlib.util.spec_from_file_location(Path(path).stem, REPO_ROOT / path)
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        if inspect.signature(script.main).parameters:  # a command line of its own: --help says what it does
+            with pytest.raises(SystemExit) as e:
+                script.main(["--help"])
+            assert e.value.code == 0, path
 
 
 def test_the_readme_shows_commands_of_every_kind():

@@ -21,10 +21,10 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core.progress import follow_log
 from my_utils.run.results import output_to, shown_path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -110,13 +110,20 @@ def _port(port: int | None) -> int:
 
 
 def _then_end_process_group(function):
-    """``function`` for a notebook-launched worker: called, then the process group torn down once the function's
-    models are gone, as the command line does (``run_main``); gloo can abort a worker that exits with it up."""
+    """``function`` for a notebook-launched worker: called with text progress bars, then the process group torn down
+    once the function's models are gone, as the command line does (``run_main``); gloo can abort a worker that exits
+    with it up."""
 
     @functools.wraps(function)  # notebook_launcher reads the function's name
     def worker(*args):
+        import tqdm.auto
+        import tqdm.std
+
         from my_utils.run.signals import end_process_group
 
+        # The kernel's widget bars cannot be drawn from a fork (ipykernel drops each message, with a warning): the
+        # worker's bars (the libraries' own, the Trainer's) are tqdm's text ones.
+        tqdm.auto.tqdm = tqdm.std.tqdm
         result = function(*args)
         end_process_group()
         return result
@@ -128,18 +135,19 @@ def launch(function, *args, num_processes: int = 1, port: int | None = None, log
     """Run ``function(*args)`` on ``num_processes`` processes from a notebook (or directly for one).
 
     On a CPU-only machine the workers use gloo (``ACCELERATE_USE_CPU=1``); each should call
-    ``check_world_size(num_processes)`` first. With ``log``, what the workers print (progress bars, the libraries'
-    notices) goes to that file, and the notebook shows one line when they are done.
+    ``check_world_size(num_processes)`` first. With ``log``, what the workers print (the libraries' notices, their
+    progress) goes to that file, and the notebook shows one progress bar, whose last state is one line.
     """
     preflight(num_processes)
-    if log is not None:
-        function = _logged(function, log)
-    started = time.perf_counter()
-    result = function(*args) if num_processes == 1 else _notebook_launch(function, args, num_processes, port)
-    if log is not None:
-        print(f"{num_processes} process{'es' if num_processes > 1 else ''} done in {time.perf_counter() - started:.0f} "
-              f"s; their output: {shown_path(log)}", flush=True)
-    return result
+    if log is None:
+        return _run_launched(function, args, num_processes, port)
+    processes = f"{num_processes} process{'es' if num_processes > 1 else ''}"
+    with follow_log(log, getattr(function, "__name__", "launch"), note=f"; {processes}' output: {shown_path(log)}"):
+        return _run_launched(_logged(function, log), args, num_processes, port)
+
+
+def _run_launched(function, args, num_processes: int, port: int | None):
+    return function(*args) if num_processes == 1 else _notebook_launch(function, args, num_processes, port)
 
 
 def _shown_argument(argument: str) -> str:
@@ -344,16 +352,16 @@ def run_command(cmd: list[str], *, env: dict | None = None, echo: bool = True,
 
     The output is passed through as it comes, carriage returns included, so a progress bar redraws in place
     (in a terminal and in a notebook) instead of printing one line per update. With ``log`` it goes to that file
-    instead, and one line says when the command is done (what a notebook shows)."""
+    instead, and a progress bar follows the one the process draws there (in a notebook: a widget, whose last state
+    is one line)."""
     env = env or clean_env()
     if echo:  # as a shell would take it, with the variable that decides whether a CPU launch is distributed
         shown = ["ACCELERATE_USE_CPU=1"] if env.get("ACCELERATE_USE_CPU") == "1" else []
         print("$", " ".join([*shown, *(_shown_argument(c) if i else Path(c).name for i, c in enumerate(cmd))]),
               flush=True)
     if log is not None:
-        started = time.perf_counter()
-        run_logged(cmd, log, env)
-        print(f"  done in {time.perf_counter() - started:.0f} s; its output: {shown_path(log)}", flush=True)
+        with follow_log(log, Path(log).stem, note=f"; its output: {shown_path(log)}"):
+            run_logged(cmd, log, env)
         return subprocess.CompletedProcess(cmd, 0, Path(log).read_text(encoding="utf-8", errors="replace"), "")
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)

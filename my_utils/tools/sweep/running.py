@@ -84,9 +84,8 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
 
 def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool, fresh_processes: bool) -> list[dict]:
     """``run_sweep``'s work once its checks passed and it holds the sweep folder."""
-    from tqdm.auto import tqdm
-
     from my_utils.core.devices import usable_cores
+    from my_utils.core.progress import Progress
     from my_utils.run.launch import clean_env
     from my_utils.run.results import redact_secrets
 
@@ -115,7 +114,7 @@ def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool, fresh
     # a process per cell, or per job: a worker trains its share of the cells one after another
     batches = [[c] for c in todo] if fresh_processes else [todo[i::jobs] for i in range(jobs) if todo[i::jobs]]
     running, failed = {}, []
-    bar = tqdm(total=len(todo), desc="sweep", unit="cell", file=sys.stdout)
+    bar = Progress(len(todo), "sweep", unit="cells")
     previous = _stop_on_sigterm()
     try:
         while batches or running:
@@ -150,7 +149,6 @@ def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool, fresh
         for proc in running:
             proc.terminate()
             proc.wait()
-        bar.close()
         stopped = ", ".join(folder.name for folders, _, _ in running.values() for folder in folders
                             if cell_status(folder) != "complete")
         raise KeyboardInterrupt(f"{str(e) or 'Ctrl-C'}; {len(running)} cell(s) stopped ({stopped or 'none running'}): run "
@@ -160,7 +158,7 @@ def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool, fresh
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait()
-        bar.close()
+        bar.close(failed=bool(failed) or sys.exc_info()[0] is not None)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     if failed:
