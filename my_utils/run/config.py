@@ -40,10 +40,11 @@ def check_choice(name: str, value, choices) -> None:
         raise UserError(f"Unknown {name} {value!r}; choose one of {', '.join(map(str, choices))}.")
 
 
-def setting(default, help: str, *, choices=None):
+def setting(default, help: str, *, choices=None, unset: str | None = None):
     """A dataclass field with its command-line help (and choices). A dataclass type as ``default`` nests it: its
-    fields become flags of their own."""
-    metadata = {"help": help, "choices": choices}
+    fields become flags of their own. ``unset``: what a default of None stands for, said in the help when a
+    workflow keeps that default."""
+    metadata = {"help": help, "choices": choices, "unset": unset}
     if isinstance(default, type) and dataclasses.is_dataclass(default):
         return dataclasses.field(default_factory=default, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -82,6 +83,45 @@ class RunSettings:
         return get_preset(self.preset)
 
 
+@dataclasses.dataclass
+class TrainingSettings(RunSettings):
+    """The four settings every training workflow takes, each with one name, one flag and one rule for its default.
+
+    A workflow gives its own defaults in ``TRAINING_DEFAULTS`` (a setting left out comes from the preset), says what
+    a flag means for it in ``SETTING_HELP`` (blocks or examples, per process or in all), and ``METHOD`` says what it
+    trains ("full" or "lora"), which picks the default learning rate (``default_learning_rate``)::
+
+        @dataclass
+        class Config(TrainingSettings):
+            TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 4, "max_steps": 6, "max_length": 64}
+            METHOD: ClassVar[str] = "lora"
+    """
+
+    TRAINING_DEFAULTS: typing.ClassVar[dict] = {}
+    SETTING_HELP: typing.ClassVar[dict] = {}
+    METHOD: typing.ClassVar[str] = "full"
+
+    batch_size: int | None = setting(None, "examples per process per step", unset="the preset's")
+    max_steps: int | None = setting(None, "optimizer steps", unset="the preset's")
+    max_length: int | None = setting(None, "tokens per example", unset="the preset's")
+    learning_rate: float | None = setting(None, "peak rate (default: the preset's for LoRA, a tenth of it for full "
+                                                "fine-tuning)")
+
+    def __post_init__(self):
+        for name, value in self.TRAINING_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
+    def settled(self, preset, method: str | None = None) -> dict:
+        """The four settings with every default settled, as run.json records them: the workflow's, else the
+        preset's; the learning rate by ``default_learning_rate`` for ``method`` (default: the workflow's)."""
+        from my_utils.core.learning_rate import default_learning_rate
+
+        return {"batch_size": self.batch_size or preset.batch_size, "max_steps": self.max_steps or preset.max_steps,
+                "max_length": self.max_length or preset.max_length,
+                "learning_rate": self.learning_rate or default_learning_rate(preset, method or self.METHOD)}
+
+
 def _fields(cls):
     """(field, its resolved type) for every field of ``cls``."""
     hints = typing.get_type_hints(cls)
@@ -105,7 +145,11 @@ def add_arguments(parser, cls) -> None:
             add_arguments(parser.add_argument_group(meta.get("help")), base)
             continue
         flag = "--" + f.name.replace("_", "-")
-        default = f.default
+        default = getattr(cls, "TRAINING_DEFAULTS", {}).get(f.name, f.default)
+        help = getattr(cls, "SETTING_HELP", {}).get(f.name, meta.get("help"))
+        if default is None and meta.get("unset") and "(default:" not in help:
+            help += f" (default: {meta['unset']})"
+        meta = {**meta, "help": help}
         if base is bool:
             action = argparse.BooleanOptionalAction if default else "store_true"
             parser.add_argument(flag, dest=f.name, action=action, default=default, help=meta.get("help"))

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import ClassVar
 from typing import NamedTuple
 
 from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
-from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 METHODS = ("full", "lora")
@@ -35,22 +36,20 @@ LEARNING_RATES = {"tiny": {"full": 5e-4, "lora": 3e-3}, "roberta-large": {"full"
 
 
 @dataclass
-class Config(RunSettings):
+class Config(TrainingSettings):
+    SETTING_HELP: ClassVar[dict] = {
+        "batch_size": "examples per process per step; a pipeline is one model replica, so its batch_size is the whole "
+                      "batch (default: the preset's batch, shared by the DDP processes)",
+        "learning_rate": "peak rate, decaying linearly to zero (default: LEARNING_RATES, per preset and method; "
+                         "elsewhere the preset's for LoRA, a tenth of it for full fine-tuning)",
+        "max_length": "tokens per sentence (default: the longest sentence, at most the preset's max_length)"}
     method: str = setting("lora", "full (every weight trains) or lora (adapters on the preset's classifier targets)",
                           choices=METHODS)
     parallel: str = setting("none", "none (one process), ddp (a whole copy per process) or pipeline (one stage per "
                             "process)", choices=PARALLEL)
     adapter: AdapterSpec = setting(AdapterSpec, "the LoRA adapter (--method lora); default targets: the preset's "
                                    "classifier_lora_targets")
-    batch_size: int | None = setting(None, "examples per process per step; a pipeline is one model replica, so its "
-                                     "batch_size is the whole batch (default: the preset's batch, shared by the DDP "
-                                     "processes)")
     microbatches: int = setting(4, "micro-batches per step (pipeline)")
-    learning_rate: float | None = setting(None, "peak rate, decaying linearly to zero (default: LEARNING_RATES, per "
-                                          "preset and method)")
-    max_steps: int | None = setting(None, "optimizer steps (default: the preset's)")
-    max_length: int | None = setting(None, "tokens per sentence (default: the longest sentence, at most the preset's "
-                                     "max_length)")
     eval_rows: int = setting(300, "held-out rows scored for accuracy")
     eval_steps: int = setting(20, "steps between accuracy evaluations")
 
@@ -130,10 +129,10 @@ def resolve(cfg: Config, preset, world_size: int, sentences: Sentences) -> Confi
     if not scored:
         raise UserError(f"Fewer eval rows than one batch of {batch}; raise --eval-rows or lower --batch-size.")
     longest = max(len(sentences.tokenizer(r["text"])["input_ids"]) for r in sentences.train + scored)
-    return replace(cfg, max_steps=cfg.max_steps or preset.max_steps,
-                   max_length=min(longest, cfg.max_length or preset.max_length),
-                   learning_rate=cfg.learning_rate or LEARNING_RATES.get(cfg.preset, {}).get(cfg.method,
-                                                                                          preset.learning_rate),
+    tuned = LEARNING_RATES.get(cfg.preset, {}).get(cfg.method)
+    settled = cfg.settled(preset, cfg.method)
+    return replace(cfg, max_steps=settled["max_steps"], max_length=min(longest, settled["max_length"]),
+                   learning_rate=cfg.learning_rate or tuned or settled["learning_rate"],
                    adapter=cfg.adapter.resolved(preset.classifier_lora_targets))
 
 

@@ -23,19 +23,18 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from my_utils import UserError
-from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 
 @dataclass
-class Config(RunSettings):
-    batch_size: int = setting(16, "blocks per step, the whole batch of the one process: DataParallel cuts it over "
-                              "the GPUs")
-    max_steps: int = setting(10, "optimizer steps")
-    max_length: int = setting(128, "tokens per packed block")
-    learning_rate: float | None = setting(None, "default: the preset's full fine-tuning rate")
+class Config(TrainingSettings):
+    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 16, "max_steps": 10, "max_length": 128}
+    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per step, the whole batch of the one process: DataParallel "
+                                                  "cuts it over the GPUs", "max_length": "tokens per packed block"}
     dropout: float = setting(0.0, "dropout probability everywhere")
     untimed_steps: int | None = setting(None, "first steps left out of the throughput figures (allocation, caches; "
                                         "default 2, fewer for shorter runs)")
@@ -56,11 +55,9 @@ def validate(cfg: Config):
 def resolve(cfg: Config, preset, gpus: list[int]) -> Config:
     """Every default settled, as run.json records it: the learning rate, the untimed steps, the GPUs and the one
     process."""
-    from my_utils.core.learning_rate import default_learning_rate
     from my_utils.workflows.ddp_common import untimed_steps
 
-    return replace(cfg, learning_rate=cfg.learning_rate or default_learning_rate(preset, "full"),
-                   untimed_steps=untimed_steps(cfg), num_gpus=len(gpus), num_processes=1)
+    return replace(cfg, **cfg.settled(preset), untimed_steps=untimed_steps(cfg), num_gpus=len(gpus), num_processes=1)
 
 
 def check_single_process(world_size: int) -> None:

@@ -25,22 +25,22 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from my_utils.core.learning_rate import LR_SCALING
-from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass
-class Config(RunSettings):
-    batch_size: int = setting(8, "blocks per process per micro-batch: the global batch is batch_size x grad_accum "
-                              "x processes")
+class Config(TrainingSettings):
+    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 8, "max_steps": 20, "max_length": 128}
+    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per micro-batch: the global batch is "
+                                                  "batch_size x grad_accum x processes",
+                                    "max_length": "tokens per packed block"}
     grad_accum: int = setting(1, "micro-batches per optimizer step")
-    max_steps: int = setting(20, "optimizer steps")
-    max_length: int = setting(128, "tokens per packed block")
-    learning_rate: float | None = setting(None, "default: the preset's full fine-tuning rate")
     lr_scaling: str = setting("none", "scale the learning rate from the preset's batch to the global batch",
                               choices=LR_SCALING)
     optimizer: str = setting("adamw", "sgd makes runs that see equal gradients end with visibly equal weights",
@@ -67,11 +67,9 @@ def validate(cfg: Config):
 def resolve(cfg: Config, preset, world_size: int) -> Config:
     """Every default settled, as run.json records it: the learning rate (before ``--lr-scaling``, as given; the
     summary records the rate used) and the untimed steps."""
-    from my_utils.core.learning_rate import default_learning_rate
     from my_utils.workflows.ddp_common import untimed_steps
 
-    return replace(cfg, learning_rate=cfg.learning_rate or default_learning_rate(preset, "full"),
-                   untimed_steps=untimed_steps(cfg), num_processes=world_size)
+    return replace(cfg, **cfg.settled(preset), untimed_steps=untimed_steps(cfg), num_processes=world_size)
 
 
 def step_learning_rate(cfg: Config, preset, world_size: int) -> float:

@@ -39,13 +39,14 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import asdict, dataclass, replace
+from typing import ClassVar
 from pathlib import Path
 
 from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec, complete_adapter_folder
 from my_utils.core.learning_rate import LR_SCALING
 from my_utils.core.models import QUANTIZE_CHOICES
-from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 METHODS = ("lora", "full")
@@ -59,18 +60,19 @@ RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "num_processes", "timeout
 
 
 @dataclass
-class Config(RunSettings):
+class Config(TrainingSettings):
+    SETTING_HELP: ClassVar[dict] = {
+        "batch_size": "examples per process per micro-batch",
+        "learning_rate": "the rate at the preset's batch (default: the preset's for LoRA, a tenth of it for full "
+                         "fine-tuning); --lr-scaling scales it to the effective batch, and summary.json records the "
+                         "rate that ran"}
     method: str = setting("lora", "lora: a peft adapter, LoRA unless --adapter-config names another method (with "
                           "--quantize, QLoRA); full: every weight trains", choices=METHODS)
     adapter: AdapterSpec | None = setting(AdapterSpec, "the adapter (method lora; run.json records null for full "
                                           "fine-tuning, which has none)")
     quantize: str = setting("none", "load the base model in 8-bit or 4-bit NF4 (QLoRA)", choices=QUANTIZE_CHOICES)
-    batch_size: int | None = setting(None, "examples per process per micro-batch (default: the preset's)")
     grad_accum: int = setting(1, "micro-batches per optimizer step: the effective batch is batch_size x "
                               "grad_accum x processes")
-    learning_rate: float | None = setting(None, "the rate at the preset's batch (default: the preset's for LoRA, a "
-                                          "tenth of it for full fine-tuning); --lr-scaling scales it to the "
-                                          "effective batch, and summary.json records the rate that ran")
     lr_scaling: str = setting("none", "scale the learning rate from the preset's batch to the effective batch",
                               choices=LR_SCALING)
     lr_scheduler: str | None = setting(None, "learning-rate schedule (default: the preset's)", choices=LR_SCHEDULERS)
@@ -78,8 +80,6 @@ class Config(RunSettings):
     # holds one task and learning suffers: off unless asked for.
     group_by_length: bool = setting(False, "batches of examples of similar length (less padding; hurts when "
                                     "length follows the task)")
-    max_steps: int | None = setting(None, "optimizer steps (default: the preset's)")
-    max_length: int | None = setting(None, "tokens per example (default: the preset's)")
     eval_rows: int = setting(100, "held-out rows for the loss, exact match and similarity")
     max_new_tokens: int = setting(16, "tokens generated per held-out answer")
     gradient_checkpointing: bool = setting(False, "trade compute for activation memory")
@@ -153,15 +153,12 @@ def resolve(cfg: Config, preset, world_size: int) -> Config:
     """Every default settled, before the results folder opens, so that run.json records what ran: the batch, steps,
     length, learning rate (at the preset's batch; ``training_learning_rate`` scales it), schedule, mixed precision
     ("auto" settled) and the adapter (alpha, targets; None for full fine-tuning, which has none)."""
-    from my_utils.core.learning_rate import default_learning_rate
 
     adapter = (cfg.adapter or AdapterSpec()).resolved(preset.lora_targets) if cfg.method == "lora" else None
     mixed_precision = cfg.mixed_precision
     if mixed_precision == "auto":
         mixed_precision = default_mixed_precision(cfg.quantize)
-    return replace(cfg, adapter=adapter, batch_size=cfg.batch_size or preset.batch_size,
-                   max_steps=cfg.max_steps or preset.max_steps, max_length=cfg.max_length or preset.max_length,
-                   learning_rate=cfg.learning_rate or default_learning_rate(preset, cfg.method),
+    return replace(cfg, **cfg.settled(preset, cfg.method), adapter=adapter,
                    lr_scheduler=cfg.lr_scheduler or preset.lr_scheduler, mixed_precision=mixed_precision,
                    num_processes=world_size)
 

@@ -16,25 +16,26 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from my_utils import UserError
 from my_utils.core.printing import get_world_size
-from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass
-class Config(RunSettings):
+class Config(TrainingSettings):
     schedule: str = setting("gpipe", "gpipe: all forwards, then all backwards; 1f1b: one forward, one backward, "
                             "alternating", choices=SCHEDULES)
     microbatches: int = setting(4, "micro-batches per step")
-    batch_size: int = setting(16, "sequences per step: the pipeline is one model replica, so this is its whole batch, "
-                              "cut into --microbatches micro-batches")
-    max_length: int = setting(64, "tokens per sequence")
-    max_steps: int = setting(4, "training steps after the output check")
-    learning_rate: float | None = setting(None, "the AdamW rate (default: the preset's)")
+    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 16, "max_steps": 4, "max_length": 64}
+    SETTING_HELP: ClassVar[dict] = {"batch_size": "sequences per step: the pipeline is one model replica, so this is "
+                                                  "its whole batch, cut into --microbatches micro-batches",
+                                    "max_steps": "training steps after the output check",
+                                    "max_length": "tokens per sequence"}
 
 
 def validate(cfg: Config):
@@ -72,7 +73,7 @@ def model_layers(preset) -> int:
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
     """Every default settled, as run.json records it: the learning rate and the world size."""
-    return replace(cfg, learning_rate=cfg.learning_rate or preset.learning_rate, num_processes=world_size)
+    return replace(cfg, **cfg.settled(preset), num_processes=world_size)
 
 
 # ---------------------------------------------------------------------------------------------- shared pieces

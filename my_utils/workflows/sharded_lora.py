@@ -15,10 +15,11 @@ optimizer's state is broadcast from rank 0 into every rank's shards.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 from pathlib import Path
 
 from my_utils.core.adapters import AdapterSpec
-from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 STAGES = ("zero2", "zero3")
@@ -27,14 +28,13 @@ RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "save_steps", "timeout_s"
 
 
 @dataclass
-class Config(RunSettings):
+class Config(TrainingSettings):
     adapter: AdapterSpec = setting(AdapterSpec, "the LoRA adapter")
     stage: str = setting("zero3", "zero2 keeps the gathered weights from forward to backward; zero3 frees them",
                          choices=STAGES)
-    batch_size: int = setting(4, "blocks per process per step")
-    max_steps: int = setting(6, "optimizer steps")
-    max_length: int = setting(64, "tokens per packed block")
-    learning_rate: float | None = setting(None, "default: the preset's LoRA rate")
+    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 4, "max_steps": 6, "max_length": 64}
+    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per step", "max_length": "tokens per packed block"}
+    METHOD: ClassVar[str] = "lora"
     save_steps: int = setting(0, "save a checkpoint (the whole adapter and the optimizer) every N steps; 0: never")
     resume: bool = setting(False, "continue --output-dir from its newest whole checkpoint")
 
@@ -65,10 +65,8 @@ def validate(cfg: Config):
 
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
-    from my_utils.core.learning_rate import default_learning_rate
-
-    return replace(cfg, adapter=cfg.adapter.resolved(preset.lora_targets), num_processes=world_size,
-                   learning_rate=cfg.learning_rate or default_learning_rate(preset, "lora"))
+    return replace(cfg, **cfg.settled(preset), adapter=cfg.adapter.resolved(preset.lora_targets),
+                   num_processes=world_size)
 
 
 def sharded_lora_model(base, cfg: Config, checkpoint: Path | None):

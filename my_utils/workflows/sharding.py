@@ -27,8 +27,9 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
-from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -42,14 +43,13 @@ TEXTBOOK_MIXED_PRECISION = {"ddp": "16P", "zero1": "4P + 12P/N", "zero2": "2P + 
 
 
 @dataclass
-class Config(RunSettings):
+class Config(TrainingSettings):
     strategies: tuple[str, ...] = setting(STRATEGIES, "what to run, in order, each from the same weights: "
                                           + ", ".join(STRATEGIES + DEEPSPEED_STRATEGIES) + " (DeepSpeed's need its "
                                           "extra)", choices=STRATEGIES + DEEPSPEED_STRATEGIES)
-    batch_size: int = setting(4, "blocks per process per step")
-    max_steps: int = setting(8, "optimizer steps per strategy")
-    max_length: int = setting(64, "tokens per packed block")
-    learning_rate: float | None = setting(None, "default: the preset's full fine-tuning rate")
+    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 4, "max_steps": 8, "max_length": 64}
+    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per step", "max_steps": "optimizer steps per "
+                                    "strategy", "max_length": "tokens per packed block"}
 
 
 def validate(cfg: Config):
@@ -81,10 +81,7 @@ def deepspeed_installed() -> bool:
 
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
-    from my_utils.core.learning_rate import default_learning_rate
-
-    return replace(cfg, strategies=tuple(cfg.strategies), num_processes=world_size,
-                   learning_rate=cfg.learning_rate or default_learning_rate(preset, "full"))
+    return replace(cfg, **cfg.settled(preset), strategies=tuple(cfg.strategies), num_processes=world_size)
 
 
 def check_world(world_size: int, workflow: str) -> None:

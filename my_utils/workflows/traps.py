@@ -22,21 +22,22 @@ Each trap records what the trap gave and what the cure gave (summary.json); less
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
-from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 TRAPS = ("reentrant_ddp", "evaluate_first", "sharded_save", "frozen_upcast")
 
 
 @dataclass
-class Config(RunSettings):
+class Config(TrainingSettings):
     traps: tuple[str, ...] = setting(TRAPS, "which traps to spring and cure, in order: " + ", ".join(TRAPS),
                                      choices=TRAPS)
-    batch_size: int = setting(4, "blocks per process per step")
-    max_steps: int = setting(3, "optimizer steps per trap and per cure")
-    max_length: int = setting(64, "tokens per packed block")
-    learning_rate: float | None = setting(None, "default: the preset's LoRA rate")
+    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 4, "max_steps": 3, "max_length": 64}
+    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per step", "max_steps": "optimizer steps per "
+                                    "trap and per cure", "max_length": "tokens per packed block"}
+    METHOD: ClassVar[str] = "lora"
 
 
 def validate(cfg: Config):
@@ -57,10 +58,7 @@ def validate(cfg: Config):
 
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
-    from my_utils.core.learning_rate import default_learning_rate
-
-    return replace(cfg, traps=tuple(cfg.traps), num_processes=world_size,
-                   learning_rate=cfg.learning_rate or default_learning_rate(preset, "lora"))
+    return replace(cfg, **cfg.settled(preset), traps=tuple(cfg.traps), num_processes=world_size)
 
 
 def lora_copy(base, preset):

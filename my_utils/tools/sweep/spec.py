@@ -9,7 +9,7 @@ import io
 import itertools
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePath
 
 from my_utils import UserError
@@ -172,10 +172,14 @@ class SweepSpec:
         return checked
 
     def cells(self) -> list[dict]:
-        """Every grid's cells, in order, each once: the options that set a cell apart (in the workflow's order;
-        None and False, the workflow's defaults, left out). A cell that runs what an earlier one runs (``seed`` 0
-        beside no seed: the workflow's default) is that cell, not a second run of it."""
-        order = list(workflow_options())
+        """Every grid's cells, in order, each once: the options that set a cell apart (in the workflow's order, the
+        shared training settings last, so that a name reads method first: ``rank16_alpha32_lr0.004``; None and
+        False, the workflow's defaults, left out). A cell that runs what an earlier one runs (``seed`` 0 beside no
+        seed: the workflow's default) is that cell, not a second run of it."""
+        from my_utils.run.config import RunSettings, TrainingSettings
+
+        training = {f.name for f in fields(TrainingSettings)} - {f.name for f in fields(RunSettings)}
+        order = sorted(workflow_options(), key=lambda option: option in training)
         cells, runs = {}, set()
         for grid in self.grids:
             for values in itertools.product(*grid.values()):

@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass, replace
+from typing import ClassVar
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.run.config import RunSettings, parse_config, setting
+from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
 @dataclass
-class Config(RunSettings):
-    batch_size: int = setting(8, "blocks per process per batch")
-    max_steps: int = setting(10, "optimizer steps")
-    max_length: int = setting(128, "tokens per packed block")
-    learning_rate: float | None = setting(None, "default: the preset's full fine-tuning rate")
+class Config(TrainingSettings):
+    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 8, "max_steps": 10, "max_length": 128}
+    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per batch", "max_length": "tokens per packed block"}
     dropout: float = setting(0.0, "dropout probability everywhere")
     mixed_precision: str = setting("no", "(step 3 on) autocast dtype of the forward pass; fp16 needs a GPU",
                                    choices=MIXED_PRECISION)
@@ -54,11 +53,9 @@ def validate(cfg: Config):
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
     """Every default settled, as run.json records it: the learning rate, the world size and the trackers by name."""
-    from my_utils.core.learning_rate import default_learning_rate
     from my_utils.run.trackers import check_report_to
 
-    return replace(cfg, learning_rate=cfg.learning_rate or default_learning_rate(preset, "full"),
-                   num_processes=world_size, report_to=check_report_to(cfg.report_to))
+    return replace(cfg, **cfg.settled(preset), num_processes=world_size, report_to=check_report_to(cfg.report_to))
 
 
 def build(cfg: Config):
