@@ -56,7 +56,7 @@ def published_requirements(version: str) -> list[str]:
     """The lines of requirements/requirements.txt in ColossalAI ``version``'s source archive on the package index."""
     with tempfile.TemporaryDirectory() as folder:
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-                        f"colossalai=={version}", "-d", folder], check=True)
+                        f"colossalai=={version}", "-d", folder], check=True, capture_output=True)
         [archive] = Path(folder).glob("colossalai-*.tar.gz")
         with tarfile.open(archive) as tar:
             member = tar.extractfile(f"colossalai-{version}/requirements/requirements.txt")
@@ -67,8 +67,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", default="0.5.0", help="the ColossalAI release to check (default: 0.5.0)")
     args = parser.parse_args(argv)
-    rows = conflicts(published_requirements(args.version),
-                     course_pins((REPO_ROOT / "requirements.txt").read_text()))
+    try:
+        published = published_requirements(args.version)
+    except (subprocess.CalledProcessError, KeyError):
+        print(f"error: ColossalAI {args.version}'s source archive (with requirements/requirements.txt) could not be "
+              "fetched from the package index; check the version (pip index versions colossalai) and the network.",
+              file=sys.stderr)
+        return 2
+    rows = conflicts(published, course_pins((REPO_ROOT / "requirements.txt").read_text()))
     width = max(len(name) for name, *_ in rows)
     print(f"{'package':<{width}}  {'ColossalAI ' + args.version + ' asks':<24}  {'course pins':<12}  fits")
     for name, asks, pin, fits in rows:

@@ -26,6 +26,10 @@ def main(argv=None) -> int:
         print(f"error: there is no lesson notebooks/{args.lesson}.ipynb; name one of notebooks/ without .ipynb.",
               file=sys.stderr)
         return 2
+    if args.output.is_dir() or args.output.suffix.lower() != ".png":
+        print(f"error: --output {args.output} must name a .png file (the folder it goes in is made if need be).",
+              file=sys.stderr)
+        return 2
     if reason := missing_browser():
         print(f"error: {reason}", file=sys.stderr)
         return 2
