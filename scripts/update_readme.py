@@ -14,6 +14,9 @@ between ``<!-- results:start -->`` and ``<!-- results:end -->`` points there. Th
 ``<!-- fits:end -->`` is the memory planner's ``fits_table``, the one between ``<!-- splits:start -->`` and
 ``<!-- splits:end -->`` its ``split_fits_table``. The section between ``<!-- gpu:start -->`` and
 ``<!-- gpu:end -->`` is the report of the GPU check (``python -m my_utils gpucheck``) in ``runs/reference/gpu_x1``.
+The quick start's demo time comes from the reference demo's summary.json, and its test times (between ``<!--
+tests:start -->`` and ``<!-- tests:end -->``) from the reports that ``COURSE_TEST_REPORT=runs/reference/tests/test.json
+make test`` (and ``test_fast.json``, ``make test-fast``) wrote from a fresh clone.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ FITS_START, FITS_END = "<!-- fits:start -->", "<!-- fits:end -->"
 SPLITS_START, SPLITS_END = "<!-- splits:start -->", "<!-- splits:end -->"
 GPU_START, GPU_END = "<!-- gpu:start -->", "<!-- gpu:end -->"
 DEMO_START, DEMO_END = "<!-- demo:start -->", "<!-- demo:end -->"
+TESTS_START, TESTS_END = "<!-- tests:start -->", "<!-- tests:end -->"
+TESTS_REFERENCE = REFERENCE / "tests"  # test.json, test_fast.json: COURSE_TEST_REPORT=<file> make test (test-fast)
 GPU_REFERENCE = REFERENCE / "gpu_x1"  # the reference GPU check
 
 
@@ -95,6 +100,15 @@ def demo_sentence() -> str:
     return (f"{DEMO_START}the reference run (`runs/reference/cpu_x2/demo/summary.json`) took "
             f"{demo['total_seconds']:.0f} s for its\n{len(demo['notebook_seconds'])} notebooks on an idle 2-core "
             f"machine{DEMO_END}")
+
+
+def tests_sentence() -> str:
+    """How long ``make test`` and ``make test-fast`` took from a fresh clone, as their reports recorded it."""
+    full, fast = (read_json(TESTS_REFERENCE / name) for name in ("test.json", "test_fast.json"))
+    skipped = "; ".join(f"{reason.rstrip('.')} ({n})" for reason, n in full["skip_reasons"].items())
+    return (f"{TESTS_START}`make test`'s pytest run took {full['seconds'] / 60:.1f} minutes there ({full['passed']} "
+            f"tests passed; {full['skipped']} skipped: {skipped}), `make test-fast`'s {fast['seconds']:.0f} s "
+            f"({fast['passed']} tests), as `runs/reference/tests/` recorded them{TESTS_END}")
 
 
 TEACHES = "*What it teaches:* "  # the line of a notebook's first cell that the series table shows
@@ -162,7 +176,7 @@ def main() -> None:
                 (FITS_START, FITS_END): "\n".join([FITS_START, fits_table(), FITS_END]),
                 (SPLITS_START, SPLITS_END): "\n".join([SPLITS_START, split_fits_table(), SPLITS_END]),
                 (GPU_START, GPU_END): gpu_section(), (START, END): RESULTS_POINTER,
-                (DEMO_START, DEMO_END): demo_sentence()}
+                (DEMO_START, DEMO_END): demo_sentence(), (TESTS_START, TESTS_END): tests_sentence()}
     pages = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
     found = set()
     for page in pages:  # each generated section where its markers are: the README or a page of docs/

@@ -129,3 +129,36 @@ def pytest_runtest_makereport(item, call):
 def pytest_collection_modifyitems(items):
     """The notebooks first: the longest tests, started while the other worker still has short ones to fill in."""
     items.sort(key=lambda item: item.path.name != "test_notebooks.py")  # stable: each file keeps its order
+
+
+# `COURSE_TEST_REPORT=<file.json> make test` records what the run took and counted, as the README's sentence on the
+# suite's time says it (scripts/update_readme.py reads runs/reference/tests/); the controller alone writes it.
+TEST_REPORT = "COURSE_TEST_REPORT"
+
+
+def pytest_sessionstart(session):
+    import time
+
+    session.config.stash[_STARTED] = time.monotonic()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import json
+    import time
+    from collections import Counter
+
+    path = os.environ.get(TEST_REPORT)
+    if not path or hasattr(session.config, "workerinput"):
+        return
+    stats = session.config.pluginmanager.get_plugin("terminalreporter").stats
+    reasons = Counter(report.longrepr[2].removeprefix("Skipped: ") for report in stats.get("skipped", [])
+                      if isinstance(report.longrepr, tuple))
+    record = {"seconds": round(time.monotonic() - session.config.stash[_STARTED], 1),
+              "selection": session.config.option.markexpr or "all", "exit_status": int(exitstatus),
+              **{outcome: len(stats.get(outcome, [])) for outcome in ("passed", "failed", "error", "skipped")},
+              "skip_reasons": dict(reasons.most_common()), "workers": session.config.option.numprocesses or 0}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+
+
+_STARTED = pytest.StashKey[float]()
