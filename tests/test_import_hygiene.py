@@ -31,16 +31,37 @@ def test_importing_helpers_imports_nothing_heavy(subprocess_env):
     assert out.stdout.strip() == "[] False", out.stdout + out.stderr
 
 
+def documented_layers() -> list[str]:
+    """The package's layers in the order docs/architecture.md lists them (its layout: ``  core/  ...`` under
+    ``my_utils/``), the order its import rule speaks of: a layer imports only the layers listed before it."""
+    import re
+    from pathlib import Path
+
+    page = (Path(my_utils.__file__).parent.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    layout = page.split("```", 2)[1]
+    assert "a layer imports only the layers listed before it" in layout
+    return re.findall(r"^  (\w+)/ ", layout, re.M)
+
+
+def test_the_documented_layers_are_the_packages():
+    from pathlib import Path
+
+    root = Path(my_utils.__file__).parent
+    assert sorted(documented_layers()) == sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file())
+
+
 def test_layers_import_only_downwards():
-    """core imports nothing of run, tools or workflows; run nothing of tools or workflows; workflows nothing of tools
-    (a docstring may name them)."""
+    """Each layer imports none of the layers docs/architecture.md lists after it (core nothing of run, workflows or
+    tools, and so on; a docstring may name them)."""
     import ast
     from pathlib import Path
 
     root = Path(my_utils.__file__).parent
-    above = {"core": ("my_utils.run", "my_utils.tools", "my_utils.workflows"),
-             "run": ("my_utils.tools", "my_utils.workflows"), "workflows": ("my_utils.tools",)}
+    layers = documented_layers()
+    above = {layer: tuple(f"my_utils.{later}" for later in layers[i + 1:]) for i, layer in enumerate(layers)}
     for layer, forbidden in above.items():
+        if not forbidden:
+            continue
         for path in (root / layer).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
