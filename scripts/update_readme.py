@@ -107,8 +107,8 @@ def tests_sentence() -> str:
     full, fast = (read_json(TESTS_REFERENCE / name) for name in ("test.json", "test_fast.json"))
     skipped = "; ".join(f"{reason.rstrip('.')} ({n})" for reason, n in full["skip_reasons"].items())
     return (f"{TESTS_START}`make test`'s pytest run took {full['seconds'] / 60:.1f} minutes there ({full['passed']} "
-            f"tests passed; {full['skipped']} skipped: {skipped}), `make test-fast`'s {fast['seconds']:.0f} s "
-            f"({fast['passed']} tests), as `runs/reference/tests/` recorded them{TESTS_END}")
+            f"tests passed;\n{full['skipped']} skipped: {skipped}), `make test-fast`'s {fast['seconds']:.0f} s "
+            f"({fast['passed']} tests),\nas `runs/reference/tests/` recorded them{TESTS_END}")
 
 
 TEACHES = "*What it teaches:* "  # the line of a notebook's first cell that the series table shows

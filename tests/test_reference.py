@@ -118,6 +118,18 @@ def test_the_readme_fits_table_is_the_planners():
     assert "\n".join([update_readme.SPLITS_START, split_fits_table(), update_readme.SPLITS_END]) in page
 
 
+def test_the_readme_test_times_are_the_reference_reports():
+    """The suite's times in the quick start are generated from the reports of a fresh clone's make test and make
+    test-fast (COURSE_TEST_REPORT), never typed; each report is of a passing run of its selection."""
+    update_readme = load_script("update_readme")
+    reports = {name: read_json(update_readme.TESTS_REFERENCE / f"{name}.json") for name in ("test", "test_fast")}
+    assert reports["test"]["selection"] == "all" and reports["test_fast"]["selection"] == "not slow"
+    assert all(r["exit_status"] == 0 and r["failed"] == r["error"] == 0 and r["workers"] == 2 for r in reports.values())
+    sentence = update_readme.tests_sentence()
+    assert f"took {reports['test']['seconds'] / 60:.1f} minutes there ({reports['test']['passed']} tests" in sentence
+    assert sentence in (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+
+
 def test_the_readme_demo_time_is_the_reference_runs():
     """The demo's time in the quick start is generated from the reference demo's summary.json, never typed."""
     from my_utils.run.results import read_json
