@@ -305,6 +305,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
 
     class StopOnSigterm(TrainerCallback):
         stopped = False
+        pending = None  # the reduction of the flags that this rank started at the end of the step before
 
         def on_train_begin(self, args, trainer_state, control, **kwargs):
             Sigterm.deferrable = True
@@ -314,9 +315,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
         def on_step_end(self, args, trainer_state, control, **kwargs):
             requested = Sigterm.requested
             if world_size > 1:  # stop together: a rank that got the signal a step later must not be left alone
-                flag = torch.tensor([int(requested)], device=state.device)
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-                requested = bool(flag.item())
+                requested = self.agreed(requested)
             if requested:
                 Sigterm.requested = True
                 self.stopped = True
@@ -324,7 +323,26 @@ def reliability_callbacks(world_size: int = 1) -> dict:
                 control.should_training_stop = True
             return control
 
+        def agreed(self, requested: bool) -> bool:
+            """Whether any rank had the signal one step ago. Each step end starts a reduction of the flags and
+            reads the one started a step before, which has long finished: no rank waits for the others here (a
+            blocking reduction each step cost as much as the gradients' own). Every rank reads the same
+            reduction at the same step, so all stop at the end of the same step, the one after the signal."""
+            flag = torch.tensor([int(requested)], device=state.device)
+            work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
+            previous, self.pending = self.pending, (work, flag)
+            return previous is not None and self.read(previous)
+
+        @staticmethod
+        def read(reduction) -> bool:
+            work, flag = reduction
+            work.wait()
+            return bool(flag.item())
+
         def on_train_end(self, args, trainer_state, control, **kwargs):
+            if self.pending is not None:  # no collective left in flight; a signal in the last step counts below
+                Sigterm.requested |= self.read(self.pending)
+                self.pending = None
             Sigterm.deferrable = False
             if Sigterm.requested and not self.stopped:  # it came after the last step: no step left to stop at
                 raise KeyboardInterrupt(Sigterm.name)
