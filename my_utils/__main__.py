@@ -42,4 +42,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from my_utils.run.cli import run_as_script
+
+    run_as_script(main)  # a benchmark's measured run trains over gloo, whose teardown may abort at exit

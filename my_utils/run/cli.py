@@ -51,9 +51,9 @@ def run_main(body, prefix: str = "my_utils"):
 
 
 def run_as_script(main) -> None:
-    """What a workflow module runs as ``python -m`` (alone, or as a worker of ``torchrun`` or ``accelerate
-    launch``): ``main()``, then the end of the process without the interpreter's teardown (``os._exit`` with
-    main's exit code, after flushing the output).
+    """What a workflow module, and the course's command line, run as ``python -m`` (alone, or as a worker of
+    ``torchrun`` or ``accelerate launch``): ``main()``, then the end of the process without the interpreter's
+    teardown (``os._exit`` with main's exit code, after flushing the output).
 
     Even with its process group destroyed, a process that communicated over gloo (DDP, pipelining, FSDP, an
     accelerate loop) sometimes aborts in C++ teardown at interpreter exit ("terminate called without an active
