@@ -198,3 +198,14 @@ def test_alternate_adds_repeats_until_settled_or_the_cap(tmp_path):
     pair = paired_ratio([{"r": 1.0}, {"r": 1.02}, {"r": 0.5}], [{"r": 1.0}, {"r": 1.0}, {"r": 1.0}], "r")
     assert pair["ratios"] == [1.0, 1.02, 0.5] and pair["median"] == 1.0
     assert pair["standard_error"] == pytest.approx(1.2533 * 1.4826 * 0.02 / 3 ** 0.5)
+
+
+def test_process_scaling_pairs_run_i_on_two_processes_with_run_i_on_one():
+    from my_utils.tools.bench.harness import scaling_ratios
+
+    # the machine slowed down for the second pair: each pair still says 1.9, a ratio of medians would not
+    x1 = [{"rate": 100.0, "cpu_rate": 100.0}, {"rate": 50.0, "cpu_rate": 100.0}, {"rate": 100.0, "cpu_rate": 100.0}]
+    x2 = [{"rate": 190.0, "cpu_rate": 200.0}, {"rate": 95.0, "cpu_rate": 180.0}, {"rate": 160.0, "cpu_rate": 190.0}]
+    found = scaling_ratios(x2, x1)
+    assert found["ratios"] == [1.9, 1.9, 1.6] and found["ratio"] == 1.9 and found["cpu_time_ratio"] == 1.9
+    assert found["standard_error"] == 0  # two of three pairs agree exactly: the median is settled

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from my_utils.run.results import read_json
-from my_utils.tools.bench.harness import WARMUP_STEPS, Settings, bench_env, process_scaling, ratio_row
+from my_utils.tools.bench.harness import WARMUP_STEPS, Settings, bench_env, pairs_detail, process_scaling, ratio_row
 
 NAME = "ddp_lesson"
 HELP = ("the DDP lesson's workflow (torchrun, full fine-tuning) on 2 processes x 1 thread against 1 x 1, same "
@@ -44,7 +44,8 @@ def run(s: Settings, folder: Path):
     rows = [ratio_row(NAME, "samples/s, training", "DDP lesson (torchrun), 2 processes x 1 thread",
                       "1 process x 1 thread", result["ratio"], target=TARGETS["ddp_lesson"],
                       cpu_ratio=result["cpu_time_ratio"],
-                      detail=f"full fine-tuning, global batch {GLOBAL_BATCH} x {MAX_LENGTH} tokens, {steps} steps")]
+                      detail=f"full fine-tuning, global batch {GLOBAL_BATCH} x {MAX_LENGTH} tokens, {steps} steps; "
+                             f"{pairs_detail(result['ratios'], result['standard_error'])}")]
     return result, rows
 
 

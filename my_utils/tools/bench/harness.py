@@ -159,28 +159,44 @@ def alternate(variants: dict, repeats: int, folder: Path, env: dict, desc: str, 
     return done
 
 
-def process_scaling(folder: Path, workflows: dict, repeats: int, env: dict, desc: str) -> dict:
+def process_scaling(folder: Path, workflows: dict, repeats: int, env: dict, desc: str, settled=None,
+                    max_repeats: int | None = None) -> dict:
     """Alternate 1-process and 2-process runs of each workflow: ``workflows`` maps a name to ``(command, figures)``,
     where ``command(processes, out)`` builds a run's command line and ``figures(out)`` reads from its results folder
     the ``world_size`` its workers saw, its ``rate`` (samples/s, tokens/s...) and ``cpu_rate`` (the same per
     CPU-second of its busiest process). Every run of every workflow alternates with the others, so that a change
-    of load hits them all. Returns, per workflow, both configurations' figures, the ratio of median rates (2
-    processes over 1) and the same from CPU time. Run i of workflow w on n processes writes ``folder/w_xn_i``."""
+    of load hits them all; ``settled(scaling)``, given, adds repeats (up to ``max_repeats``) until it returns True.
+    Returns, per workflow, both configurations' figures and ``scaling_ratios`` of their runs (2 processes over 1).
+    Run i of workflow w on n processes writes ``folder/w_xn_i``."""
     from my_utils.run.launch import check_process_count
 
     check_process_count(2)
     variants = {f"{name}_x{n}": (lambda out, c=command, n=n: c(n, out))
                 for name, (command, _) in workflows.items() for n in (1, 2)}
-    runs = alternate(variants, repeats, folder, env, desc)
-    scaling = {}
-    for name, (_, figures) in workflows.items():
-        found = {n: [figures(p) for p in runs[f"{name}_x{n}"]] for n in (1, 2)}
-        for n, results in found.items():
-            if any(r["world_size"] != n for r in results):
-                raise RuntimeError(f"A run launched with {n} process(es) saw another world size; see its run.json.")
-        wall, cpu = throughput_ratio(found[2], found[1], "rate", "cpu_rate")
-        scaling[name] = {"x1": found[1], "x2": found[2], "ratio": wall, "cpu_time_ratio": cpu}
-    return scaling
+
+    def scaling_of(runs):
+        scaling = {}
+        for name, (_, figures) in workflows.items():
+            found = {n: [figures(p) for p in runs[f"{name}_x{n}"]] for n in (1, 2)}
+            for n, results in found.items():
+                if any(r["world_size"] != n for r in results):
+                    raise RuntimeError(f"A run launched with {n} process(es) saw another world size; see its "
+                                       "run.json.")
+            scaling[name] = {"x1": found[1], "x2": found[2], **scaling_ratios(found[2], found[1])}
+        return scaling
+
+    runs = alternate(variants, repeats, folder, env, desc, settled=settled and (lambda done: settled(scaling_of(done))),
+                     max_repeats=max_repeats)
+    return scaling_of(runs)
+
+
+def scaling_ratios(measured: list[dict], baseline: list[dict], rate: str = "rate", cpu_rate: str = "cpu_rate") -> dict:
+    """The speed-up of ``measured`` runs over ``baseline`` runs taken side by side: ``ratio``, the median of the
+    pairs' ratios (``paired_ratio``), its ``standard_error`` and the ``ratios``; ``cpu_time_ratio``, the same from
+    CPU time."""
+    wall = paired_ratio(measured, baseline, rate)
+    return {"ratio": wall["median"], "standard_error": wall["standard_error"], "ratios": wall["ratios"],
+            "cpu_time_ratio": paired_ratio(measured, baseline, cpu_rate)["median"]}
 
 
 def recorded_run(output_dir: str, config: dict, body, main: bool = True) -> None:
@@ -217,6 +233,11 @@ def paired_ratio(measured: list[dict], baseline: list[dict], rate: str = "tokens
     deviation = median(abs(r - middle) for r in ratios)
     # 1.4826 x MAD estimates a normal spread's standard deviation; the median's standard error is 1.2533 x that / sqrt(n)
     return {"ratios": ratios, "median": middle, "standard_error": 1.2533 * 1.4826 * deviation / len(ratios) ** 0.5}
+
+
+def pairs_detail(ratios: list, standard_error: float) -> str:
+    """How a paired figure was made, for a row's detail."""
+    return f"median of {len(ratios)} pairs, standard error {standard_error:.3f}"
 
 
 def ratio_row(benchmark: str, figure: str, measured: str, baseline: str, ratio: float, *, target: float | None = None,

@@ -13,7 +13,7 @@ from pathlib import Path
 from my_utils.run.results import read_json
 from my_utils.tools.bench.course import course_args, course_figures
 from my_utils.tools.bench.harness import (WARMUP_STEPS, Settings, alternate, bench_env, logging_steps, paired_ratio,
-                                          python_command, ratio_row)
+                                          pairs_detail, python_command, ratio_row)
 
 NAME = "overhead"
 HELP = "the LoRA workflow against a bare accelerate + peft loop: useful tokens/s of training, >= 0.98"
@@ -58,6 +58,5 @@ def run(s: Settings, folder: Path):
         figures[window] = {"wall": wall, "cpu": cpu}
         rows.append(ratio_row(NAME, "useful tokens/s, training", measured, baseline, wall["median"],
                               target=TARGETS["overhead"], cpu_ratio=cpu["median"],
-                              detail=f"{shape}, {window}; median of {len(wall['ratios'])} pairs, standard error "
-                              f"{wall['standard_error']:.3f}"))
+                              detail=f"{shape}, {window}; {pairs_detail(wall['ratios'], wall['standard_error'])}"))
     return {"course": course_runs, "bare": bare_runs, "sampling": sampling["strategy"], "paired": figures}, rows
