@@ -284,8 +284,9 @@ def reliability_callbacks(world_size: int = 1) -> dict:
     """The Trainer callbacks that make a run survivable, by name:
 
     - ``manifest``: after every checkpoint save (all ranks done), rank 0 writes the checkpoint's manifest;
-    - ``stop``: a SIGTERM or Ctrl-C during training stops every rank at the end of the same step, with a checkpoint
-      (``.stopped`` is then True: raise KeyboardInterrupt after ``trainer.train()`` returns);
+    - ``stop``: a SIGTERM or Ctrl-C during training stops every rank at the end of the same step (on several
+      processes, the one after the signal), with a checkpoint (``.stopped`` is then True: raise KeyboardInterrupt
+      after ``trainer.train()`` returns);
     - ``faults``: the fault-injection hooks when a COURSE_* variable asks for one, else absent.
     """
     import torch

@@ -21,8 +21,8 @@ and a new peft method is one JSON file.
 
 Checkpoints and resuming (the same results folder continues; its losses match an uninterrupted run). A crash
 resumes from the newest whole checkpoint; a SIGTERM (a scheduler preempting the job) stops every rank at the
-end of the current step with a checkpoint; a rank that dies, hangs or is stopped ends the job soon after
---timeout-s, named:
+end of the same step (on several processes, the next one) with a checkpoint; a rank that dies, hangs or is
+stopped ends the job soon after --timeout-s, named:
 
     python -m my_utils.workflows.lora --preset tiny --save-steps 20 --output-dir runs/lora/mine
     python -m my_utils.workflows.lora --preset tiny --save-steps 20 --output-dir runs/lora/mine --resume
