@@ -163,6 +163,10 @@ def check(tmp_path, **changes):
     ({"max_length": 512}, r"max_length 512 is longer than the model allows \(256\); use --max-length 256"),
     ({"max_length": 8}, "does not fit max_length 8; raise --max-length"),
     ({"batch_size": 4096}, "fewer than one global batch of 4096"),
+    ({"packing": True, "group_by_length": True}, "--packing fills every row to --max-length, so there are no lengths"),
+    ({"packing": True, "adapter_config": "configs/peft/prompt_tuning.json"},
+     "--packing restarts the position ids at every example, which PROMPT_TUNING"),
+    ({"packing": True, "batch_size": 1024}, "The dataset has .* rows, fewer than one global batch of 1024"),
 ])
 def test_bad_settings_are_one_sentence_before_the_folder_exists(tmp_path, changes, message):
     with pytest.raises(UserError, match=message) as e:

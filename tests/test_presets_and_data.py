@@ -120,3 +120,39 @@ def test_read_jsonl_keeps_line_separators_inside_strings_and_names_devices(tmp_p
     assert [r["text"] for r in read_jsonl(path, ("text", "label"))] == ["a\u2028b", "c\u0085d"]
     with pytest.raises(UserError, match="/dev/null is not a regular file"):
         read_jsonl("/dev/null", ("text",))
+
+
+def test_packed_examples_keep_to_themselves_and_every_token_is_counted():
+    """Examples packed into rows (``--packing``) give the logits each would give alone: the positions restart and,
+    once ``TokenCounter`` has counted the real tokens and dropped the mask, transformers masks each example off from
+    the others. With the mask left in, the same row lets later examples see earlier ones."""
+    import torch
+
+    from my_utils.core.data import load_instructions, pack_examples, packed_collator, tokenize_instructions
+    from my_utils.core.models import build_causal_lm, load_tokenizer
+    from my_utils.run.callbacks import TokenCounter
+
+    preset = get_preset("tiny")
+    tokenizer = load_tokenizer(preset)
+    examples = tokenize_instructions(load_instructions("tiny", eval_rows=1)[0][:12], tokenizer, 64)
+    packed = pack_examples(examples, 64)
+    lengths = sorted(len(e["input_ids"]) for e in examples)
+    assert len(packed) < len(examples) and sorted(n for row in packed for n in row["seq_lengths"]) == lengths
+    assert all(len(row["input_ids"]) == sum(row["seq_lengths"]) <= 64 for row in packed)
+
+    counter = TokenCounter(packed_collator(tokenizer))
+    batch = counter(packed)
+    assert "attention_mask" not in batch and counter.tokens == sum(lengths)
+    model = build_causal_lm(preset).train()  # as it trains: with a cache the model would skip the mask per example
+    with torch.no_grad():
+        logits = model(**batch).logits
+        masked = model(**batch, attention_mask=(batch["labels"] != -100) | (batch["position_ids"] > 0)).logits
+        leaks = 0
+        for r, row in enumerate(packed):
+            start = 0
+            for n in row["seq_lengths"]:
+                alone = model(input_ids=batch["input_ids"][r:r + 1, start:start + n]).logits[0]
+                torch.testing.assert_close(logits[r, start:start + n], alone, atol=1e-5, rtol=1e-5)
+                leaks += start > 0 and not torch.allclose(masked[r, start:start + n], alone, atol=1e-5)
+                start += n
+    assert leaks > 0  # the check above can fail: a plain padding mask lets examples see each other

@@ -183,6 +183,31 @@ def padding_collator(tokenizer):
     return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
 
 
+def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
+    """Tokenized examples (``tokenize_instructions``) packed into rows of at most ``max_length`` tokens by best-fit
+    decreasing (trl's ``pack_dataset``): whole examples, longest first, each into the fullest row it fits. A row
+    keeps its examples' lengths (``seq_lengths``), from which ``packed_collator`` restarts the positions."""
+    from datasets import Dataset
+    from trl import pack_dataset
+
+    return pack_dataset(Dataset.from_list(examples), max_length, strategy="bfd").to_list()
+
+
+def packed_collator(tokenizer):
+    """Pads packed rows (``pack_examples``) and gives each token its position within its own example
+    (``position_ids``). From positions that restart, transformers draws a causal mask per example, so that no
+    example attends to another, but only without an attention mask and without a key/value cache: the batch asks
+    for no cache, and ``TokenCounter`` removes the mask once it has counted the tokens. Rows without
+    ``seq_lengths`` (held-out examples) get positions 0, 1, 2... as with padding."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    collate = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id, return_position_ids=True)
+
+    def packed(rows):
+        return {**collate(rows), "use_cache": False}
+
+    return packed
+
 
 def token_blocks(preset, tokenizer, n_blocks: int, max_length: int):
     """``n_blocks`` sequences of ``max_length`` tokens cut from the preset's instruction texts laid end to end

@@ -65,6 +65,8 @@ class TokenCounter:
         self.padded_tokens += batch["attention_mask"].numel()
         if len(self.previews) < self.preview_batches:
             self.previews.append(preview_batch(batch, self.tokenizer))
+        if "position_ids" in batch:  # packed rows (packed_collator): transformers reads positions that restart as
+            del batch["attention_mask"]  # one causal mask per example only when no attention mask is given
         return batch
 
 

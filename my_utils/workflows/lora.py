@@ -43,7 +43,7 @@ from typing import ClassVar
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.core.adapters import AdapterSpec, complete_adapter_folder
+from my_utils.core.adapters import PROMPT_LEARNING, AdapterSpec, complete_adapter_folder
 from my_utils.core.learning_rate import LR_SCALING
 from my_utils.core.models import QUANTIZE_CHOICES
 from my_utils.run.config import TrainingSettings, parse_config, setting
@@ -80,6 +80,9 @@ class Config(TrainingSettings):
     # holds one task and learning suffers: off unless asked for.
     group_by_length: bool = setting(False, "batches of examples of similar length (less padding; hurts when "
                                     "length follows the task)")
+    packing: bool = setting(False, "pack the training examples into rows of --max-length tokens (best-fit "
+                            "decreasing, trl's pack_dataset), each example attending only to itself: every "
+                            "micro-batch then holds about batch-size x max-length tokens, on every rank")
     eval_rows: int = setting(100, "held-out rows for the loss, exact match and similarity")
     max_new_tokens: int = setting(16, "tokens generated per held-out answer")
     gradient_checkpointing: bool = setting(False, "trade compute for activation memory")
@@ -132,6 +135,12 @@ def validate(cfg: Config):
     if cfg.learning_rate is not None:
         check_positive("--learning-rate", cfg.learning_rate, float)
     check_choice("mixed precision", cfg.mixed_precision, MIXED_PRECISION)
+    if cfg.packing and cfg.group_by_length:
+        raise UserError("--packing fills every row to --max-length, so there are no lengths left to group by; "
+                        "drop --group-by-length or --packing.")
+    if cfg.packing and cfg.adapter is not None and cfg.adapter.peft_type in PROMPT_LEARNING:
+        raise UserError(f"--packing restarts the position ids at every example, which {cfg.adapter.peft_type} "
+                        "(virtual tokens in front of each row) does not allow; drop --packing.")
     if cfg.num_processes is not None:
         check_process_count(cfg.num_processes)
     if cfg.resume:
@@ -189,7 +198,7 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
     config (LoRA targets, longest sequence), the tokenizer and the data. ``cfg`` is resolved (``resolve``). Returns
     the tokenizer, the tokenized sets and the held-out rows."""
     from my_utils.core.data import (INSTRUCTION_COLUMNS, check_enough_rows, check_text_columns, load_instructions,
-                                    read_jsonl, tokenize_instructions)
+                                    pack_examples, read_jsonl, tokenize_instructions)
     from my_utils.core.adapters import LORA
     from my_utils.core.devices import meta_model
     from my_utils.core.models import add_adapter, check_lora_targets, load_tokenizer, max_positions
@@ -212,13 +221,16 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
                                               path=cfg.data_file)
     source = cfg.data_file or f"the {preset.instruction_data} data"
     check_text_columns(train_rows + eval_rows, INSTRUCTION_COLUMNS, source)
-    check_enough_rows(len(train_rows), cfg.batch_size * cfg.grad_accum * world_size)
     forgetting_rows = read_jsonl(cfg.forgetting_data, INSTRUCTION_COLUMNS)[:cfg.eval_rows] if cfg.forgetting_data \
         else []
+    train_set = tokenize_instructions(train_rows, tokenizer, cfg.max_length)
+    if cfg.packing:
+        train_set = pack_examples(train_set, cfg.max_length)
+    check_enough_rows(len(train_set), cfg.batch_size * cfg.grad_accum * world_size)
     return {
         "forgetting_set": tokenize_instructions(forgetting_rows, tokenizer, cfg.max_length) if forgetting_rows else None,
         "tokenizer": tokenizer,
-        "train_set": tokenize_instructions(train_rows, tokenizer, cfg.max_length),
+        "train_set": train_set,
         "eval_set": tokenize_instructions(eval_rows, tokenizer, cfg.max_length),
         "eval_rows": eval_rows,
     }
@@ -238,7 +250,7 @@ def train(cfg: Config) -> dict:
     from transformers import set_seed
 
     from my_utils.core.chunked_loss import use_chunked_loss
-    from my_utils.core.data import padding_collator
+    from my_utils.core.data import packed_collator, padding_collator
     from my_utils.core.devices import per_rank_device, per_rank_device_map
     from my_utils.core.models import add_adapter, build_causal_lm, count_parameters
     from my_utils.core.printing import print0
@@ -268,7 +280,8 @@ def train(cfg: Config) -> dict:
 
         before = _generation_eval(cfg, model.to(device), tokenizer, eval_rows)
         # Wraps the collator: counts tokens, and prints (with the rank prefix) and keeps each rank's first batch.
-        counter = TokenCounter(padding_collator(tokenizer), tokenizer=tokenizer, preview_batches=1)
+        collator = (packed_collator if cfg.packing else padding_collator)(tokenizer)
+        counter = TokenCounter(collator, tokenizer=tokenizer, preview_batches=1)
         memory_cb, metrics_cb = make_callbacks(life.run, device)
         reliability = reliability_callbacks(world_size)  # checkpoint manifests, SIGTERM stop, fault injection
         callbacks = [_stop_if_already_trained(), memory_cb, metrics_cb, _count_from_train_begin(counter, life.run),

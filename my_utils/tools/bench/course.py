@@ -75,7 +75,8 @@ def course_main(argv) -> None:
         result = train(trainer, *args, **kwargs)
         # the workflow zeroes its counter when training begins: the whole call counts from zero
         measured.update(window_end({**start, "tokens": 0, "padded_tokens": 0}, counter),
-                        steady=window_end(measured.pop("window"), counter), settings=speed_settings(trainer.args))
+                        steady=window_end(measured.pop("window"), counter),
+                        settings={**speed_settings(trainer.args), "packing": cfg.packing})
         return result
 
     Trainer.train = timed_train  # this process only: the workflow's own code runs as it is
