@@ -83,8 +83,9 @@ def run(s: Settings, folder: Path):
         rows += [
             ratio_row(NAME, "useful tokens/s, training", f"LoRA workflow, {two}", one, course_w["ratio"],
                       target=TARGETS["ddp"], cpu_ratio=course_w["cpu_time_ratio"], detail=detail(course_w),
-                      if_missed="each step the ranks wait in the all-reduce for the one whose padded batch is "
-                                "longer, and 2 processes share 2 cores with the rest of the machine"),
+                      if_missed="each step pays fixed costs that do not shrink with the batch (the Trainer's "
+                                "bookkeeping, collectives over gloo), and 2 processes share 2 cores with the rest of "
+                                "the machine"),
             ratio_row(NAME, "useful tokens/s, training", f"bare DDP loop, {two}", one, bare_w["ratio"],
                       cpu_ratio=bare_w["cpu_time_ratio"], detail=detail(bare_w)),
             ratio_row(NAME, "useful tokens/s, training", f"LoRA workflow --group-by-length, {two}", f"the same, {one}",
