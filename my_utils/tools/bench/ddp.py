@@ -6,7 +6,7 @@ course adds to DDP costs at most 5% of its speed-up). With randomly drawn batche
 for the rank whose batch is padded longer. Two ways of giving every rank equal work are measured the same way:
 ``--group-by-length`` (the ranks of a step take batches of similar lengths: the same examples per step as the
 default, so it tells whether unequal work is what holds the speed-up back) and ``--packing`` (rows of max_length
-tokens: a fixed token budget per rank, and about four times the tokens per step on the tiny data, over which each
+tokens: a fixed token budget per rank, and about three times the tokens per step on the tiny data, over which each
 step's fixed costs spread): target >= 1.85.
 
 Every configuration alternates with the others; each figure is the median of the ratios of runs taken side by side
