@@ -38,9 +38,10 @@ def test_score_answers_exact_match_and_similarity():
         score_answers([], [])
 
 
-def test_held_out_loss_is_what_the_trainer_reports(tmp_path):
-    """The loss the workflow takes before training (without Trainer.evaluate, which would keep DDP from
-    wrapping the model) is the figure evaluate() reports after training: batch by batch, uneven last batch too."""
+def test_held_out_loss_weights_tokens_and_not_the_evaluation_batch(tmp_path):
+    """The same weights give the same held-out loss at 1 x 16 and 4 x 4 (the mean over every predicted token),
+    where the Trainer's figure (the mean of per-batch means) moves with the batch: lesson 12's trap 1."""
+    import torch
     from transformers import Trainer, TrainingArguments
 
     from my_utils.core.data import load_instructions, padding_collator, tokenize_instructions
@@ -50,10 +51,26 @@ def test_held_out_loss_is_what_the_trainer_reports(tmp_path):
 
     preset = get_preset("tiny")
     tokenizer, model = load_tokenizer(preset), build_causal_lm(preset)
-    _, rows = load_instructions("tiny", eval_rows=20)
+    _, rows = load_instructions("tiny", eval_rows=16)
     examples = tokenize_instructions(rows, tokenizer, 128)
-    ours = held_out_loss(model, examples, padding_collator(tokenizer), batch_size=8)
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=8, report_to="none", use_cpu=True)
-    theirs = Trainer(model=model, args=args, eval_dataset=examples,
-                     data_collator=padding_collator(tokenizer)).evaluate()["eval_loss"]
-    assert ours == pytest.approx(theirs, rel=1e-5)
+    collator = padding_collator(tokenizer)
+    whole, by_four = (held_out_loss(model, examples, collator, batch_size=b) for b in (16, 4))
+    assert whole == pytest.approx(by_four, rel=1e-5)
+
+    # The figure itself: every labelled token's loss, summed one example at a time, over the count of such tokens.
+    total = count = 0
+    with torch.no_grad():
+        for example in examples:
+            batch = collator([example])
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[0, :-1]
+            labels = batch["labels"][0, 1:]
+            total += float(torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, reduction="sum"))
+            count += int((labels != -100).sum())
+    assert whole == pytest.approx(total / count, rel=1e-5)
+
+    def trainers_figure(batch_size):
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=batch_size, report_to="none",
+                                 use_cpu=True)
+        return Trainer(model=model, args=args, eval_dataset=examples, data_collator=collator).evaluate()["eval_loss"]
+
+    assert abs(trainers_figure(4) - trainers_figure(16)) > 1e-3  # the trap this loss avoids, present in the Trainer

@@ -99,8 +99,10 @@ def answer_quality(model, tokenizer, rows, **kwargs) -> dict:
 
 
 def held_out_loss(model, examples, collator, batch_size: int, autocast_dtype=None) -> float:
-    """The loss on held-out ``examples`` as ``transformers.Trainer.evaluate()`` reports it: each batch's mean token
-    loss, weighted by the batch's number of examples, in order, under autocast to ``autocast_dtype`` if given.
+    """The mean loss per predicted token on held-out ``examples``: every batch's summed token loss over the number
+    of tokens that carry a label, so the figure does not depend on ``batch_size`` (averaging each batch's mean, as
+    ``Trainer.evaluate()`` does, weighs a token of a short batch more than one of a long batch: lesson 12's trap 1,
+    in evaluation). Under autocast to ``autocast_dtype`` if given.
 
     It runs in this process alone (no collective), so it can measure a model before training. (Calling
     ``Trainer.evaluate()`` before ``Trainer.train()`` in a distributed run leaves the model marked as prepared by
@@ -110,16 +112,17 @@ def held_out_loss(model, examples, collator, batch_size: int, autocast_dtype=Non
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    total = seen = 0.0
+    total = tokens = 0.0
     with torch.no_grad(), torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         for start in range(0, len(examples), batch_size):
             batch = collator([examples[i] for i in range(start, min(start + batch_size, len(examples)))])
             batch = {k: v.to(device) for k, v in batch.items()}
-            rows = len(batch["input_ids"])
-            total += float(model(**batch).loss) * rows
-            seen += rows
+            # A causal LM predicts token t + 1 from tokens up to t, and averages over the labels that are not -100.
+            predicted = int((batch["labels"][:, 1:] != -100).sum())
+            total += float(model(**batch).loss) * predicted
+            tokens += predicted
     model.train(was_training)
-    return total / seen
+    return total / tokens
 
 
 def accuracy(model, batches) -> float:

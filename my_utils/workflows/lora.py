@@ -286,10 +286,10 @@ def train(cfg: Config) -> dict:
         reliability = reliability_callbacks(world_size)  # checkpoint manifests, SIGTERM stop, fault injection
         callbacks = [_stop_if_already_trained(), memory_cb, metrics_cb, _count_from_train_begin(counter, life.run),
                      *reliability.values()]
-        Trainer = course_trainer_class()  # transformers' Trainer; its evaluation sees every row
+        Trainer = course_trainer_class()  # transformers' Trainer, resuming length-grouped batches exactly
         trainer = Trainer(model=model, args=training_arguments(cfg, life.folder, learning_rate),
-                          train_dataset=inputs["train_set"], eval_dataset=inputs["eval_set"],
-                          data_collator=counter, callbacks=[c for c in callbacks if c])
+                          train_dataset=inputs["train_set"], data_collator=counter,
+                          callbacks=[c for c in callbacks if c])
         # The base model's losses, held out and on pretraining-style rows; a resumed run recorded them at its start.
         before_losses = {} if life.checkpoint else {key: _loss_on(model, inputs[key], tokenizer, cfg)
                                                     for key in ("eval_set", "forgetting_set")}
@@ -299,7 +299,8 @@ def train(cfg: Config) -> dict:
             "memory": memory_cb.report,
             "tokens": sum(life.gather(counter.tokens) or [0]),
             "first_batches": life.gather(counter.previews[0] if counter.previews else None),
-            "eval_loss_before": before_losses.get("eval_set"), "eval": trainer.evaluate(), "before": before,
+            "eval_loss_before": before_losses.get("eval_set"), "before": before,
+            "eval_loss": _loss_on(trainer.model, inputs["eval_set"], tokenizer, cfg),
             "forgetting_loss_before": before_losses.get("forgetting_set"),
             "forgetting_loss_after": _loss_on(trainer.model, inputs["forgetting_set"], tokenizer, cfg),
             "after": _generation_eval(cfg, trainer.model, tokenizer, eval_rows),
@@ -421,7 +422,7 @@ def _save_adapter(model, folder: Path) -> int:
 
 
 def _loss_on(model, examples, tokenizer, cfg: Config) -> float | None:
-    """``model``'s loss on ``examples`` as ``Trainer.evaluate()`` reports it (``held_out_loss``); None without them."""
+    """``model``'s mean loss per predicted token on ``examples`` (``held_out_loss``); None without them."""
     from my_utils.core.data import padding_collator
     from my_utils.core.evaluation import held_out_loss
 
@@ -485,7 +486,7 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
         "train_loss_first": losses[0] if losses else None,
         "train_loss_final": losses[-1] if losses else None,
         "eval_loss_before": measured["eval_loss_before"],
-        "eval_loss": measured["eval"].get("eval_loss"),
+        "eval_loss": measured["eval_loss"],
         "forgetting_loss_before": measured["forgetting_loss_before"],
         "forgetting_loss_after": measured["forgetting_loss_after"],
         "exact_match_before": before.get("exact_match"),
