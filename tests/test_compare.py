@@ -18,10 +18,11 @@ FAKE_PIDS = itertools.count(10_000)
 
 
 def fake_run(path, *, processes=1, samples_per_s=10.0, method="lora", rank=8, versions=None, commit=None,
-             losses=(2.0, 1.5, 1.2), finish=True):
-    """A results folder shaped like the LoRA workflow's, with ``processes`` ranks of memory figures."""
-    config = {"preset": "tiny", "method": method, "rank": rank, "batch_size": 4, "num_processes": processes,
-              "output_dir": str(path)}
+             losses=(2.0, 1.5, 1.2), finish=True, global_batch=8):
+    """A results folder shaped like the LoRA workflow's, with ``processes`` ranks of memory figures, each process
+    taking its share of ``global_batch``."""
+    config = {"preset": "tiny", "method": method, "rank": rank, "batch_size": global_batch // processes,
+              "num_processes": processes, "output_dir": str(path)}
     # each run's own process, as a workflow's (runs that share one are marked: a test of its own)
     fields = {"world_size": processes, "backend": "gloo" if processes > 1 else None, "devices": CPU,
               "pid": next(FAKE_PIDS)}
@@ -37,7 +38,8 @@ def fake_run(path, *, processes=1, samples_per_s=10.0, method="lora", rank=8, ve
                "end": {"device": "cpu", "peak_allocated": None, "peak_rss": (400 + r) << 20}} for r in range(processes)]
     run.finish({
         "workflow": "lora", "preset": "tiny", "method": method, "rank": rank, "world_size": processes,
-        "batch_size_per_process": 4, "grad_accum": 1, "effective_batch": 4 * processes, "learning_rate": 1e-3,
+        "batch_size_per_process": global_batch // processes, "grad_accum": 1, "effective_batch": global_batch,
+        "learning_rate": 1e-3,
         "lr_scaling": "none", "steps": len(losses), "train_loss_first": losses[0], "train_loss_final": losses[-1],
         "eval_loss": 1.3, "exact_match_before": 0.1, "exact_match_after": 0.5, "runtime_s": 3.0,
         "samples_per_s": samples_per_s, "tokens_per_s": 50 * samples_per_s, "trainable_params": 1000,
@@ -71,11 +73,15 @@ def test_only_complete_runs_enter_the_tables(results):
     text = compare.render(c)
     for t in c.tables:
         for row in t.rows:
-            assert not any(bad in cell for cell in row for bad in ("crashed", "killed", "still_running"))
-    assert "not compared (failed): crashed" in text
+            assert t.title == "Left out" or not any(bad in cell for cell in row
+                                                    for bad in ("crashed", "killed", "still_running"))
+    assert sorted(table(c, "Left out").rows) == [["crashed", "failed"], ["killed", "interrupted"],
+                                                 ["still_running", "running"]]
+    said = [line for line in text.splitlines() if line.startswith("not compared")]
+    assert len(said) == 1 and "3 run(s)" in said[0] and "failed: 1" in said[0], said
 
 
-def test_speedup_groups_runs_that_differ_only_by_process_count(results):
+def test_speedup_groups_runs_that_split_one_global_batch_over_other_process_counts(results):
     fake_run(results / "benchmark" / "lora_x1_repeat", processes=1, samples_per_s=40.0)  # another folder's run
     c = compare.compare(results)
     assert c.speedup_groups == {"runs: lora tiny r8 Test CPU": [(1, 1.0), (2, pytest.approx(1.6))]}
@@ -85,6 +91,21 @@ def test_speedup_groups_runs_that_differ_only_by_process_count(results):
     assert set(by_run) == {"lora_x1", "lora_x2"}  # the full fine-tuning run is another experiment
     assert by_run["lora_x2"][header.index("speedup")] == "1.60x"
     assert by_run["lora_x2"][header.index("efficiency")] == "80%"
+    assert by_run["lora_x1"][header.index("global batch")] == by_run["lora_x2"][header.index("global batch")] == "8"
+
+
+def test_runs_of_other_global_batches_or_steps_are_no_speedup_and_each_pair_is_listed_once(tmp_path):
+    fake_run(tmp_path / "x1", processes=1, samples_per_s=10.0, global_batch=8)
+    fake_run(tmp_path / "x2", processes=2, samples_per_s=16.0, global_batch=16)  # each process keeps 8
+    fake_run(tmp_path / "y1", processes=1, samples_per_s=10.0, losses=(2.0, 1.5))  # other steps
+    c = compare.compare(tmp_path)
+    assert c.speedup_groups == {}
+    assert [(a, b) for a, b, _ in c.unpaired] == [("x1", "x2"), ("y1", "x2")]  # x2 against x1 is the same pair
+    assert c.unpaired[0][2] == "global batch 8 against 16"
+    assert "steps 2 against 3" in c.unpaired[1][2]
+    assert table(c, "Not a speedup").rows[0][:4] == ["x1", "1", "x2", "2"]
+    said = [line for line in compare.render(c).splitlines() if "not compared" in line]
+    assert len(said) == 1 and "2 pair(s)" in said[0], said
 
 
 def test_runs_that_differ_in_more_than_the_process_count_form_no_group_and_a_line_says_why(tmp_path):
@@ -92,8 +113,8 @@ def test_runs_that_differ_in_more_than_the_process_count_form_no_group_and_a_lin
     fake_run(tmp_path / "lora_x2", processes=2, samples_per_s=16.0).update(threads_per_process=1)
     c = compare.compare(tmp_path)
     assert c.speedup_groups == {}
-    assert ("no speedup for lora_x1 against lora_x2: they differ in more than the process count (threads per process "
-            "2 against 1)") in c.notes
+    assert c.unpaired == [("lora_x1", "lora_x2", "threads per process 2 against 1: run both with the same "
+                                                 "OMP_NUM_THREADS")]
 
 
 def test_memory_batch_and_quality_tables(results):
@@ -131,6 +152,7 @@ def test_the_reference_comparison_fits_a_terminal_and_its_plots_stay_readable(tm
     lines = capsys.readouterr().out.splitlines()
     assert max(map(len, lines)) <= compare.TERMINAL_WIDTH, max(lines, key=len)
     assert sum(line.startswith(("not compared", compare.COMMIT_MARK, compare.VERSIONS_MARK)) for line in lines) < 10
+    assert sum(line.startswith("not compared") for line in lines) == 1
     c = compare.compare(*folders)
     panels = loss_panels(c.runs, c.labels)
     assert len(panels) > 5 and max(len(runs) for _, runs in panels) <= LEGEND_ENTRIES
@@ -207,11 +229,11 @@ def test_markdown_and_output_folder(results, tmp_path):
 def test_command_line(results, tmp_path):
     out = subprocess.run([sys.executable, "-m", "my_utils", "compare", str(results), "--output-dir", str(tmp_path / "o")],
                          capture_output=True, text=True, check=True)
-    assert "Speedup" in out.stdout and "not compared (failed): crashed" in out.stdout
+    assert "Speedup" in out.stdout and "not compared: 3 run(s)" in out.stdout and "Left out" in out.stdout
     assert (tmp_path / "o" / "speedup.png").is_file()
     md = subprocess.run([sys.executable, "-m", "my_utils", "compare", str(results), "--markdown"],
                         capture_output=True, text=True, check=True).stdout
-    assert "| run |" in md and "- not compared (interrupted): killed" in md
+    assert "| run |" in md and "| killed | interrupted |" in md and "- not compared: 3 run(s)" in md
     bad = subprocess.run([sys.executable, "-m", "my_utils", "compare", str(tmp_path / "nope")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
@@ -224,7 +246,7 @@ def test_no_results_folder_is_one_sentence(tmp_path):
 
 def test_overview_keeps_working_for_the_demo(results):
     text = compare.overview(results, root=results)
-    assert text.startswith("Runs\n") and "lora_x2" in text and "not compared (running): still_running" in text
+    assert text.startswith("Runs\n") and "lora_x2" in text and "still_running" in text and "running: 1" in text
 
 
 @pytest.mark.slow

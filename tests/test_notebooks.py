@@ -49,7 +49,11 @@ MUTATIONS = {
         "by['lora+all-linear'] = by['lora']  # placement that changes nothing",
         "counted['ia3'] = (counted['ia3'][0] + 1, counted['ia3'][1])  # a planner count one off peft's",
     ],
-    "14_compare": ["part_ratios.append(1.3)  # a part the planner misses by 30%"],
+    "14_compare": [
+        "part_ratios.append(1.3)  # a part the planner misses by 30%",
+        "ratios = [0.0 for _ in ratios]  # a planner that predicts no tensors at all",
+        "two = dict(two, effective_batch=2 * one['effective_batch'])  # a pair of two global batches",
+    ],
 }
 
 

@@ -9,9 +9,11 @@ failed, interrupted, unreadable, no summary, no training figures) are listed by 
 whose library versions or git commit differ from the others are marked, because their figures are not strictly
 comparable.
 
-Speedup: runs that differ only by their number of processes (same workflow, hardware, configuration and folder) form
-a group; each run's samples/s is divided by the group's 1-process samples/s and set against the ideal (the
-number of processes).
+Speedup: runs that differ only in how their global batch is split (the number of processes, the batch per process
+and micro-batch, the layout) form a group: same workflow, hardware, configuration, steps and folder, and the same
+global batch (processes x batch per process x accumulation). Each run's samples/s is divided by the group's
+1-process samples/s and set against the ideal (the number of processes). Pairs of runs of other process counts
+that differ in more are left out, listed in the table "Not a speedup", and counted in one line.
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from my_utils.core.memory import format_bytes, peak_bytes
 from my_utils.core.tables import TERMINAL_WIDTH, markdown_table, text_table
 from my_utils.run.results import check_outside_runs, find_run_dirs, load_run
 
-# Configuration keys that do not make two runs different experiments: the process count is what a speedup
-# varies; the others say where a run is kept and how long a collective waits. (Checkpointing, resuming and the
-# threads per process change the speed: runs that differ in them are not one experiment.)
-NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "output_dir", "resume", "timeout_s"})
+# Configuration keys that do not make two runs different experiments: how the global batch is split over processes
+# (their number, the batch each takes, its accumulation, the layout) is what a speedup varies, the global batch
+# itself being compared instead; the others say where a run is kept and how long a collective waits.
+# (Checkpointing, resuming and the threads per process change the speed: runs that differ in them are not one
+# experiment.)
+NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "batch_size", "grad_accum", "parallel", "output_dir", "resume",
+                                 "timeout_s"})
 # A summary with none of these is not a training run (e.g. the demo's own record of notebook timings).
 TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
 VERSIONS_MARK = "†"
@@ -50,7 +55,8 @@ class Table:
 @dataclass
 class Comparison:
     """Everything ``compare`` reports: the complete runs with their labels, the tables, the speedup groups
-    (label -> [(processes, speedup)]), the runs left out with their reason, and notes on provenance."""
+    (label -> [(processes, speedup)]), the runs left out with their reason, notes on provenance, and the pairs of
+    process counts that are no speedup (run, other run, how they differ)."""
 
     runs: list[dict]
     labels: dict[str, str]
@@ -58,6 +64,7 @@ class Comparison:
     speedup_groups: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     left_out: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    unpaired: list[tuple[str, str, str]] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -193,38 +200,60 @@ def hardware(run: dict) -> str:
 
 
 def experiment_settings(run: dict) -> dict:
-    """What must match for two runs to differ only by their number of processes: the workflow, method, hardware,
-    configuration, threads per process, whether it was resumed, and the folder that holds them (one lesson's or
-    benchmark's runs: a benchmark's 1-process repeats of another kind are not another group's baseline)."""
+    """What must match for two runs to differ only in how their global batch is split: the workflow, method,
+    hardware, configuration, global batch, steps, threads per process, whether it was resumed, and the folder that
+    holds them (one lesson's or benchmark's runs: a benchmark's 1-process repeats of another kind are not another
+    group's baseline)."""
     config = {k: v for k, v in (run["run"].get("config") or {}).items() if k not in NOT_EXPERIMENT_KEYS}
     s = run["summary"]
     return {"workflow": s.get("workflow"), "method": s.get("method"), "hardware": hardware(run),
+            "global batch": global_batch(run), "steps": s.get("steps"),
             "threads per process": run["run"].get("threads_per_process"), "resumed": bool(run["run"].get("resumes")),
             "folder": str(Path(run["path"]).parent), **config}
+
+
+def global_batch(run: dict) -> int | None:
+    """Examples per optimizer step over all processes, as the summary records it (``effective_batch``), else from
+    the configuration (batch per process x accumulation x processes); None where neither says."""
+    s, config = run["summary"], run["run"].get("config") or {}
+    if s.get("effective_batch"):
+        return s["effective_batch"]
+    if isinstance(config.get("batch_size"), int):
+        return config["batch_size"] * (config.get("grad_accum") or 1) * world_size(run)
+    return None
 
 
 def experiment_key(run: dict) -> str:
     return json.dumps(experiment_settings(run), sort_keys=True, default=str)
 
 
-def ungrouped_notes(runs: list[dict], groups, labels: dict[str, str]) -> list[str]:
-    """One line for each run that a run of another process count in its folder would have been compared with, but
-    for other settings: which ones (a speedup compares process counts alone)."""
+def short(value, width: int = 24) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def unpaired(runs: list[dict], groups) -> list[tuple[dict, dict, str]]:
+    """Pairs of runs of other process counts in one folder that form no speedup because they differ in more: (run,
+    other, the settings that differ), each pair once. Runs that are in a group are not listed again."""
     grouped = {r["path"] for _, members, _ in groups for r in members}
-    notes = []
-    for r in runs:
-        if r["path"] in grouped or not r["summary"].get("samples_per_s"):
-            continue
+    timed = [r for r in runs if r["summary"].get("samples_per_s") and r["path"] not in grouped]
+    pairs, seen = [], set()
+    for r in timed:  # each run against the first of another process count in its folder
         mine = experiment_settings(r)
-        others = [o for o in runs if world_size(o) != world_size(r) and experiment_settings(o)["folder"] == mine["folder"]
-                  and o["summary"].get("samples_per_s")]
-        if others:
-            theirs = experiment_settings(others[0])
-            differ = [f"{k} {mine.get(k)!r} against {theirs.get(k)!r}" for k in sorted(set(mine) | set(theirs), key=str)
-                      if mine.get(k) != theirs.get(k)][:3]
-            notes.append(f"no speedup for {labels[r['path']]} against {labels[others[0]['path']]}: they differ in more "
-                         f"than the process count ({'; '.join(differ)})")
-    return notes
+        other = next((o for o in timed if world_size(o) != world_size(r)
+                      and experiment_settings(o)["folder"] == mine["folder"]), None)
+        if other is None or frozenset((r["path"], other["path"])) in seen:
+            continue
+        seen.add(frozenset((r["path"], other["path"])))
+        theirs = experiment_settings(other)
+        differ = [k for k in sorted(set(mine) | set(theirs), key=str) if mine.get(k) != theirs.get(k)]
+        if differ == ["threads per process"]:
+            why = (f"threads per process {mine[differ[0]]} against {theirs[differ[0]]}: run both with the same "
+                   "OMP_NUM_THREADS")
+        else:
+            why = "; ".join(f"{k} {short(mine.get(k))} against {short(theirs.get(k))}" for k in differ[:3])
+        pairs.append((r, other, why))
+    return pairs
 
 
 def world_size(run: dict) -> int:
@@ -242,7 +271,7 @@ def describe(run: dict) -> str:
 
 
 def speedup_groups(runs: list[dict]) -> list[tuple[str, list[dict], float | None]]:
-    """Groups of runs that differ only by process count (two counts at least):
+    """Groups of runs that differ only in how their global batch is split (two process counts at least):
     (name, runs sorted by processes, mean samples/s of the group's 1-process runs or None)."""
     groups: dict[str, list[dict]] = {}
     for r in runs:
@@ -302,10 +331,24 @@ def speedup_table(groups, name) -> Table:
         for r in members:
             s, n = r["summary"], world_size(r)
             speedup = s["samples_per_s"] / base if base else None
-            rows.append([group, name(r), str(n), f"{s['samples_per_s']:.1f}", _num(s.get("tokens_per_s"), "{:,.0f}"),
-                         _num(speedup, "{:.2f}x"), f"{n}x", _num(speedup / n if speedup else None, "{:.0%}")])
-    return Table("Speedup", ["group", "run", "procs", "samples/s", "tokens/s", "speedup", "ideal", "efficiency"], rows,
-                 "speedup = samples/s / samples/s of the group's 1-process run; efficiency = speedup / ideal")
+            rows.append([group, name(r), str(n), _num(global_batch(r), "{}"), f"{s['samples_per_s']:.1f}",
+                         _num(s.get("tokens_per_s"), "{:,.0f}"), _num(speedup, "{:.2f}x"), f"{n}x",
+                         _num(speedup / n if speedup else None, "{:.0%}")])
+    return Table("Speedup", ["group", "run", "procs", "global batch", "samples/s", "tokens/s", "speedup", "ideal",
+                             "efficiency"], rows,
+                 "the runs of a group differ only in how the global batch is split; speedup = samples/s / samples/s "
+                 "of the group's 1-process run; efficiency = speedup / ideal")
+
+
+def unpaired_table(pairs, name) -> Table:
+    return Table("Not a speedup", ["run", "procs", "against", "procs", "they differ in"],
+                 [[name(r), str(world_size(r)), name(o), str(world_size(o)), why] for r, o, why in pairs],
+                 "runs of other process counts in one folder that differ in more than how the global batch is split")
+
+
+def left_out_table(left_out) -> Table:
+    return Table("Left out", ["run", "why"], [[label, reason] for label, reason in left_out],
+                 "runs that are not complete, or have no training figures")
 
 
 def memory_table(runs, name) -> Table:
@@ -366,16 +409,18 @@ def compare(*paths, root: Path | str | None = None) -> Comparison:
     tables = [runs_table(complete, name)]
     if groups:
         tables.append(speedup_table(groups, name))
-    tables += [memory_table(complete, name), batch_table(complete, name), quality_table(complete, name)]
+    pairs = unpaired(complete, groups)
+    left_out = [(labels[r["path"]], r["reason"]) for r in other]
+    tables += [memory_table(complete, name), batch_table(complete, name), quality_table(complete, name),
+               unpaired_table(pairs, name), left_out_table(left_out)]
     tables = [_drop_empty_columns(t) for t in tables if t.rows or t.title == "Runs"]
     speedups = {g: [(world_size(r), r["summary"]["samples_per_s"] / base) for r in members]
                 for g, members, base in groups if base}
     missing_base = [g for g, _, base in groups if not base]
     if missing_base:
         notes.append(f"no 1-process run to measure speedup against in: {', '.join(missing_base)}")
-    notes += ungrouped_notes(complete, groups, labels)
-    return Comparison(complete, labels, tables, speedups,
-                      [(labels[r["path"]], r["reason"]) for r in other], notes)
+    return Comparison(complete, labels, tables, speedups, left_out, notes,
+                      [(labels[r["path"]], labels[o["path"]], why) for r, o, why in pairs])
 
 
 # ---------------------------------------------------------------------------------------------- rendering
@@ -394,14 +439,24 @@ def render(comparison: Comparison, markdown: bool = False, images: dict[str, str
     if images:
         parts.append("\n".join(f"![{title}]({file})" if markdown else f"{title}: {file}"
                                 for title, file in images.items()))
-    left_out: dict[str, list[str]] = {}
-    for label, reason in comparison.left_out:
-        left_out.setdefault(reason, []).append(label)
-    lines = [f"not compared ({reason}): {name_runs(labels)}" for reason, labels in left_out.items()] + comparison.notes
+    lines = comparison.notes + ([left_out_line(comparison)] if comparison.left_out or comparison.unpaired else [])
     if lines:
         parts.append("\n".join(f"- {x}" for x in lines) if markdown else "\n".join(
             textwrap.fill(x, TERMINAL_WIDTH, subsequent_indent="  ", break_on_hyphens=False) for x in lines))
     return "\n\n".join(parts)
+
+
+def left_out_line(comparison: Comparison) -> str:
+    """One line for everything the tables leave out of a comparison, counted by reason."""
+    parts = []
+    if comparison.unpaired:
+        parts.append(f"{len(comparison.unpaired)} pair(s) of process counts that differ in more than the split of "
+                     "the batch (table Not a speedup)")
+    if comparison.left_out:
+        reasons = Counter(reason for _, reason in comparison.left_out)
+        parts.append(f"{len(comparison.left_out)} run(s) not complete or without training figures ("
+                     + ", ".join(f"{reason}: {n}" for reason, n in reasons.items()) + "; table Left out)")
+    return "not compared: " + "; ".join(parts)
 
 
 def overview(*paths, root: Path | str | None = None, markdown: bool = False) -> str:
