@@ -7,12 +7,15 @@ Kept: run.json, summary.json, metrics.jsonl, logs, tables, plots and executed no
 reader needs). Left out: checkpoints and weights (``*.safetensors``, ``*.bin``, ``*.pt``) and the tokenizer copied beside each
 adapter, which anyone can regenerate and which would bloat the repository. Absolute paths of the machine that ran the folder are made relative to the
 repository (and the Python installation, seen in warnings, becomes ``<python>``), so the committed records name only
-the project's own files. The destination must not exist.
+the project's own files; the folder's own path (``runs/run_1_cpu_x2``, printed by the lessons and kept in each
+run's settings) becomes the path it is saved to, so that every path a record names exists in the repository. The
+destination must not exist.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -42,6 +45,8 @@ def save(source: Path, name: str) -> Path:
         raise SystemExit(f"runs/reference/{name} exists already; choose another name or remove it first.")
     # The checkout that wrote the folder: its root prefixes the absolute paths recorded inside.
     origin = next((p for p in source.parents if (p / "my_utils").is_dir()), REPO_ROOT)
+    # runs/run_1_cpu_x2 (not runs/run_1_cpu_x20) -> runs/reference/cpu_x2
+    own_path = re.compile(re.escape(source.relative_to(origin).as_posix()) + r"(?![\w.-])")
     staging = REFERENCE / f".{name}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -52,6 +57,7 @@ def save(source: Path, name: str) -> Path:
             text = path.read_text(encoding="utf-8", errors="replace")
             for machine_path, shown in ((f"{origin}/", ""), (str(origin), "."), (sys.base_prefix, "<python>")):
                 text = text.replace(machine_path, shown)
+            text = own_path.sub(f"runs/reference/{name}", text)
             target.write_text(text, encoding="utf-8")
         else:
             shutil.copyfile(path, target)

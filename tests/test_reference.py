@@ -40,7 +40,8 @@ def test_saving_keeps_records_drops_weights_and_machine_paths(tmp_path, monkeypa
     (source / "04_lora" / "lora" / "checkpoints" / "checkpoint-1").mkdir(parents=True)
     (source / "04_lora" / "lora" / "checkpoints" / "checkpoint-1" / "trainer_state.json").write_text("{}")
     (source / "04_lora.ipynb").write_text(f'{{"note": "ran in {origin}/notebooks", '
-                                          f'"warning": "{sys.base_prefix}/lib/copyreg.py:105: FutureWarning"}}')
+                                          f'"warning": "{sys.base_prefix}/lib/copyreg.py:105: FutureWarning", '
+                                          '"printed": "runs/run_1_cpu_x2/04_lora/lora and runs/run_1_cpu_x20"}')
 
     saved = save_reference.save(source, "cpu_x2")
     files = sorted(p.relative_to(saved).as_posix() for p in saved.rglob("*") if p.is_file())
@@ -50,6 +51,9 @@ def test_saving_keeps_records_drops_weights_and_machine_paths(tmp_path, monkeypa
     saved_text = "".join(p.read_text() for p in saved.rglob("*") if p.is_file())
     assert str(origin) not in saved_text and sys.base_prefix not in saved_text
     assert "<python>/lib/copyreg.py" in saved_text
+    # the paths the lesson printed and the run recorded name where the folder now is
+    assert "runs/reference/cpu_x2/04_lora/lora and runs/run_1_cpu_x20" in saved_text
+    assert read_json(saved / "04_lora/lora/run.json")["config"]["output_dir"] == "runs/reference/cpu_x2/04_lora/lora"
     with pytest.raises(SystemExit, match="exists already"):
         save_reference.save(source, "cpu_x2")
 
