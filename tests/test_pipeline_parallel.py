@@ -99,10 +99,27 @@ def test_multi_stage_schedules_are_tabled_without_a_process_group(schedule):
     assert 0 <= empty < 0.5
 
 
-def test_zero_bubble_leaves_fewer_empty_slots_than_interleaved_1f1b():
+def test_splitting_the_backward_idles_less_than_interleaved_1f1b_at_the_same_stage_placement():
     from my_utils.workflows.pipeline_parallel import action_table
 
-    assert action_table("zero bubble V", 2, 4)[1] < action_table("interleaved 1F1B", 2, 4)[1]
+    assert action_table("interleaved zero bubble", 2, 4)[1] < action_table("interleaved 1F1B", 2, 4)[1]
+
+
+def test_the_idle_share_weighs_a_whole_backward_as_two_units():
+    """Two processes in lock step: a column where one runs a whole backward (2) and the other a forward (1) leaves
+    the second idle for one unit of the two."""
+    from types import SimpleNamespace
+
+    from my_utils.workflows import pipeline_parallel
+
+    action = lambda kind: SimpleNamespace(computation_type=SimpleNamespace(name=kind))  # noqa: E731
+    order = {0: [action("FULL_BACKWARD")], 1: [action("FORWARD")]}
+    schedule = SimpleNamespace(pipeline_order=order)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(pipeline_parallel.MULTI_STAGE_SCHEDULES, "fake", "Fake")
+        patch.setattr("torch.distributed.pipelining.schedules.Fake", lambda *a, **k: schedule, raising=False)
+        patch.setattr("torch.distributed.pipelining.schedules._format_pipeline_order", lambda o: "", raising=False)
+        assert pipeline_parallel.action_table("fake", processes=2, microbatches=1)[1] == pytest.approx(1 / 4)
 
 
 def test_bad_pipeline_config_is_refused_before_anything_runs():

@@ -129,11 +129,18 @@ MULTI_STAGE_SCHEDULES = {  # torch's schedules with several stages per process, 
     "zero bubble V": "ScheduleZBVZeroBubble"}
 
 
+# The zero-bubble paper's cost model: a forward, an input gradient (I) and a weight gradient (W) take one unit of time
+# each, a whole backward (B = I + W) two.
+ACTION_COST = {"FORWARD": 1, "BACKWARD_INPUT": 1, "BACKWARD_WEIGHT": 1, "FULL_BACKWARD": 2}
+
+
 def action_table(schedule: str, processes: int, microbatches: int, stages_per_process: int = 2) -> tuple[str, float]:
     """The order of work a multi-stage schedule gives each process, as torch formats it ("2F1": stage 2's forward of
     micro-batch 1; B a backward, or I and W: a backward split into its input and weight gradients), and the share of
-    empty slots. torch computes the order at construction from each stage's place alone, so stand-in stages
-    (no process group, no model) are enough. A slot is one action: the table shows the order, not the time."""
+    the processes' time left idle. torch computes the order at construction from each stage's place alone, so
+    stand-in stages (no process group, no model) are enough. The idle share reads the table as a pipeline in lock
+    step: each column lasts as long as its longest action (``ACTION_COST``), and a process idles for the rest of
+    it, or the whole of it when it has no action there."""
     from types import SimpleNamespace
 
     import torch
@@ -145,10 +152,11 @@ def action_table(schedule: str, processes: int, microbatches: int, stages_per_pr
     stages = [SimpleNamespace(stage_index=i, num_stages=n_stages, group_size=processes, group_rank=0, is_first=i == 0,
                               is_last=i == n_stages - 1, submod=torch.nn.Identity()) for i in mine]
     order = getattr(schedules, MULTI_STAGE_SCHEDULES[schedule])(stages, n_microbatches=microbatches).pipeline_order
-    slots = max(len(actions) for actions in order.values()) * processes
-    empty = sum(action is None for actions in order.values() for action in actions)
-    empty += sum(max(len(a) for a in order.values()) - len(actions) for actions in order.values())
-    return schedules._format_pipeline_order(order), empty / slots
+    length = max(len(actions) for actions in order.values())
+    lanes = [[ACTION_COST[a.computation_type.name] if a is not None else 0 for a in actions]
+             + [0] * (length - len(actions)) for actions in order.values()]
+    elapsed = sum(max(column) for column in zip(*lanes))
+    return schedules._format_pipeline_order(order), 1 - sum(map(sum, lanes)) / (elapsed * len(lanes))
 
 
 def record_timeline(stage, events: list) -> None:
