@@ -239,6 +239,22 @@ def test_command_line(results, tmp_path):
     assert bad.returncode == 2 and "does not exist" in bad.stderr
 
 
+def test_a_folder_without_a_complete_training_run_says_so_in_one_sentence(tmp_path, capsys):
+    Run.create(tmp_path / "demo", config={}).finish({"notebook_seconds": {"00_setup.ipynb": 3.0}})
+    compare.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.startswith(f"No complete training run under {tmp_path} to compare") and "Runs\n" not in out
+    assert "demo  complete, no training figures" in out
+
+
+def test_a_resumed_run_says_which_steps_its_runtime_timed(results):
+    summary = json.loads((results / "lora_x2" / "summary.json").read_text())
+    (results / "lora_x2" / "summary.json").write_text(json.dumps({**summary, "resumed_from_step": 2}))
+    runs = table(compare.compare(results), "Runs")
+    row = next(r for r in runs.rows if r[0] == "lora_x2")
+    assert row[runs.header.index("steps")] == "3 (timed from 2)"
+
+
 def test_no_results_folder_is_one_sentence(tmp_path):
     with pytest.raises(UserError, match="No results folder"):
         compare.main([str(tmp_path)])

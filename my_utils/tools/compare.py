@@ -316,8 +316,10 @@ def runs_table(runs, name) -> Table:
     for r in runs:
         s = r["summary"]
         steps = s.get("steps") if isinstance(s.get("steps"), int) else None  # a benchmark may keep a table there
+        resumed = s.get("resumed_from_step")  # its runtime and rates are those of the steps after it
         rows.append([name(r), str(s.get("workflow") or "-").rsplit(".", 1)[-1], str(s.get("method") or "-"),
-                     str(world_size(r)), _num(steps, "{}"), _num(s.get("runtime_s"), "{:.1f} s"),
+                     str(world_size(r)), _num(steps, "{}") + (f" (timed from {resumed})" if resumed else ""),
+                     _num(s.get("runtime_s"), "{:.1f} s"),
                      _num(s.get("samples_per_s"), "{:.1f}"), _num(s.get("tokens_per_s"), "{:,.0f}"),
                      format_bytes(s.get("peak_memory_bytes")), _num(s.get("trainable_params"), "{:,}"),
                      _num(s.get("total_params"), "{:,}")])
@@ -530,6 +532,10 @@ def main(argv=None) -> None:
     if not comparison.runs and not comparison.left_out:
         raise UserError(f"No results folder (a folder with run.json) under {' '.join(args.paths)}; "
                         "pass the folder a run wrote.")
+    if not comparison.runs:
+        print(f"No complete training run under {' '.join(args.paths)} to compare; what is there:\n")
+        print(render(Comparison([], comparison.labels, [left_out_table(comparison.left_out)]), markdown=args.markdown))
+        return
     files = write_outputs(comparison, check_comparison_dir(args.out)) if args.out is not None else {}
     images = {t: str(f) for t, f in files.items() if f.suffix == ".png"}
     print(render(comparison, markdown=args.markdown, images=images))
