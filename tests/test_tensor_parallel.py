@@ -153,3 +153,23 @@ def test_context_parallel_refuses_a_sequence_that_does_not_split():
         validate(Config(seq_len=511, num_processes=2))
     with pytest.raises(UserError, match="could hold 128 GiB of scores at --seq-len 65536"):
         validate(Config(seq_len=65536, num_processes=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workflow", ["tensor_parallel", "context_parallel", "pipeline_parallel"])
+def test_a_workflow_prints_no_warning_or_profiler_line_of_its_own(workflow, tmp_path, subprocess_env):
+    """What the course's own code prints under torchrun: the workflow's lines, not a UserWarning from converting a
+    tensor that requires grad, nor the profiler's start and stop lines (torchrun's own banner is its launcher's)."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / workflow
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+                           f"my_utils.workflows.{workflow}", "--preset", "tiny", "--output-dir", str(out)],
+                          env=subprocess_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "run.json").read_text())["world_size"] == 2
+    lines = (proc.stdout + proc.stderr).splitlines()
+    course = [line for line in lines if "torch/distributed/run.py" not in line]  # torchrun's OMP_NUM_THREADS banner
+    assert not [line for line in course if "Warning" in line or "profiler_st" in line], course

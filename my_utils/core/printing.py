@@ -12,6 +12,7 @@ interleave mid-line. ``print0`` prints on rank 0 only.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
 import sys
 
@@ -69,3 +70,19 @@ def install_rank_print():
 def restore_print() -> None:
     """Undo ``install_rank_print``."""
     builtins.print = _builtin_print
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """Inside it, what C++ code writes to this process's stderr is dropped: torch's profiler (kineto) prints a line
+    when it starts and stops, which no logging setting turns off. Python exceptions still propagate, and are printed
+    after it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)

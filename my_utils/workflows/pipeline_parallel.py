@@ -287,7 +287,7 @@ def pipelined_forward(stage, schedule, batch, device) -> tuple:
     with torch.no_grad():
         if stage.is_last:
             output = schedule.eval(target=batch.to(device), losses=losses)
-            return output.cpu(), float(torch.stack(losses).mean())
+            return output.cpu(), float(torch.stack(losses).detach().mean())
         schedule.eval(*((batch.to(device),) if stage.is_first else ()))
     return None, None
 
@@ -327,7 +327,7 @@ def pipelined_gradients(stage, schedule, batch, device, reference_grads: dict) -
     scale = max(float(reference_grads[name].abs().max()) for name in grads)
     diff = max(float((g.cpu() - reference_grads[name]).abs().max()) for name, g in grads.items()) / scale
     stage.submod.zero_grad(set_to_none=True)
-    return (float(torch.stack(losses).mean()) if stage.is_last else None), diff
+    return (float(torch.stack(losses).detach().mean()) if stage.is_last else None), diff
 
 
 def peak_in_flight(events: list[dict]) -> int:

@@ -324,7 +324,9 @@ def collective_wait(model, batch) -> dict:
     Its gradients are cleared afterwards."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+    from my_utils.core.printing import native_stderr_silenced
+
+    with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as profiled:
         started = time.perf_counter()
         model(input_ids=batch, labels=batch).loss.backward()
         step = time.perf_counter() - started
@@ -344,7 +346,7 @@ def train_steps(model, batches, learning_rate: float) -> tuple[list[float], floa
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, time.perf_counter() - started
 
 
