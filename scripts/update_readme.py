@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +46,9 @@ DEMO_START, DEMO_END = "<!-- demo:start -->", "<!-- demo:end -->"
 TESTS_START, TESTS_END = "<!-- tests:start -->", "<!-- tests:end -->"
 TESTS_REFERENCE = REFERENCE / "tests"  # test.json, test_fast.json: COURSE_TEST_REPORT=<file> make test (test-fast)
 GPU_REFERENCE = REFERENCE / "gpu_x1"  # the reference GPU check
+
+
+LINE = 118  # the generated prose's line length
 
 
 def machine(folder: Path) -> str:
@@ -81,8 +85,10 @@ def results_section() -> str:
              "`python -m my_utils compare runs/reference/<folder> runs/<yours>`.", ""]
     for folder in sorted(p for p in REFERENCE.iterdir() if p.is_dir() and not p.name.startswith(".")
                          and p != GPU_REFERENCE):  # the GPU check has a section of its own in README.md
-        parts += [f"### `runs/reference/{folder.name}` — {machine(folder)}", ""]
         benchmarks = bench_runs(folder)
+        if not benchmarks and next(folder.rglob("run.json"), None) is None:  # not a results folder (the test reports)
+            continue
+        parts += [f"### `runs/reference/{folder.name}` — {machine(folder)}", ""]
         if benchmarks:
             command = " ".join(benchmarks[0]["run"]["command"])
             parts += [f"`{command}`: each ratio is of medians of runs taken side by side with its baseline; the "
@@ -139,18 +145,20 @@ def series_section() -> str:
 
 
 def claims_section() -> str:
-    """runs/reference/README.md's table of what each lesson's closing cell checked in the reference demo run, with
-    the figures measured ("not recorded" where the reference run has no claims file for it)."""
+    """runs/reference/README.md's list of what each lesson's closing cell checked in the reference demo run, with
+    the figures measured ("not recorded" where the reference run has no claims file for it), lesson by lesson."""
     rows = ["## What each lesson showed", "",
-            "Each claim below was asserted by the lesson's closing cell in the reference demo run "
-            f"(`runs/reference/{DEMO_REFERENCE.name}`), and its figure is that run's.", "", "| # | lesson | claims checked, with the reference run's figures |",
-            "|---|---|---|"]
+            *textwrap.wrap("Each claim below was asserted by the lesson's closing cell in the reference demo run "
+                           f"(`runs/reference/{DEMO_REFERENCE.name}`), and its figure is that run's.", LINE), ""]
     for stem, title, _ in lessons():
         claims_file = DEMO_REFERENCE / stem / CLAIMS_FILE
-        shown = "<br>".join(f"{c['claim']}: {c['figure']}" for c in read_json(claims_file)) \
-            if claims_file.is_file() else "not recorded"
-        rows.append(f"| {stem[:2]} | [{title}](../../notebooks/{stem}.ipynb) | {shown} |")
-    return "\n".join(rows)
+        claims = [f"{c['claim']}: **{c['figure']}**" for c in read_json(claims_file)] if claims_file.is_file() \
+            else ["not recorded"]
+        rows += [f"**{stem[:2]} · [{title}](../../notebooks/{stem}.ipynb)**", ""]
+        rows += [line for claim in claims for line in textwrap.wrap(claim, LINE, initial_indent="- ",
+                                                                     subsequent_indent="  ", break_on_hyphens=False)]
+        rows.append("")
+    return "\n".join(rows).rstrip()
 
 
 def gpu_section() -> str:

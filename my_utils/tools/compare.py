@@ -39,6 +39,7 @@ NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "batch_size", "grad_accum", "p
                                  "timeout_s"})
 # A summary with none of these is not a training run (e.g. the demo's own record of notebook timings).
 TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
+FOLDED_ROWS = 20  # markdown tables longer than this are folded (<details>)
 VERSIONS_MARK = "†"
 COMMIT_MARK = "‡"
 SHARED_MARK = "§"
@@ -433,8 +434,10 @@ def render(comparison: Comparison, markdown: bool = False, images: dict[str, str
     parts = []
     for t in comparison.tables:
         if markdown:
-            parts.append(f"### {t.title}\n\n{markdown_table(t.header, t.rows)}"
-                         + (f"\n\n{t.caption}" if t.caption else ""))
+            table = markdown_table(t.header, t.rows) + (f"\n\n{t.caption}" if t.caption else "")
+            if len(t.rows) > FOLDED_ROWS:  # a page stays readable: a long table opens on a click
+                table = f"<details><summary>{len(t.rows)} rows</summary>\n\n{table}\n\n</details>"
+            parts.append(f"### {t.title}\n\n{table}")
         else:
             caption = "\n" + textwrap.fill(f"({t.caption})", TERMINAL_WIDTH) if t.caption else ""
             parts.append(f"{t.title}\n{text_table(t.header, t.rows)}{caption}")
@@ -443,7 +446,8 @@ def render(comparison: Comparison, markdown: bool = False, images: dict[str, str
                                 for title, file in images.items()))
     lines = comparison.notes + ([left_out_line(comparison)] if comparison.left_out or comparison.unpaired else [])
     if lines:
-        parts.append("\n".join(f"- {x}" for x in lines) if markdown else "\n".join(
+        parts.append("\n".join(textwrap.fill(x, TERMINAL_WIDTH, initial_indent="- ", subsequent_indent="  ",
+                                             break_on_hyphens=False) for x in lines) if markdown else "\n".join(
             textwrap.fill(x, TERMINAL_WIDTH, subsequent_indent="  ", break_on_hyphens=False) for x in lines))
     return "\n\n".join(parts)
 
