@@ -118,7 +118,7 @@ def load_runs(*paths) -> tuple[list[dict], list[dict]]:
         if status == "complete" and any(k in summary for k in TRAINING_KEYS):
             complete.append(run)
         else:
-            run["reason"] = (status if status != "complete" else
+            run["reason"] = (str(status or "no status") if status != "complete" else
                              "complete, but no summary.json" if not summary else "complete, no training figures")
             other.append(run)
     return complete, other
