@@ -61,6 +61,7 @@ def test_table_is_built_from_complete_classification_folders_only(tmp_path):
     _fake_run(tmp_path / "other", workflow="lora")
     runs = classification_runs(tmp_path)
     assert [(r["method"], r["parallel"]) for r in runs] == [("full", "ddp"), ("lora", "none"), ("lora", "pipeline")]
+    assert [r["seed"] for r in runs] == [None] * 3  # these folders' run.json record no config
     table = classification_table(tmp_path)
     assert "0.250 -> 0.750" in table and "1.0 GiB / 1.0 GiB" in table and "1.0 MiB / 3.0 MiB" in table
     assert "failed" not in table and "other" not in table
@@ -98,7 +99,7 @@ def test_run_json_records_every_default_resolved(tmp_path, subprocess_env):
     # null only where it means "none": no adapter file (LoRA from its flags), the resolved config in "peft"
     assert _nulls(config) == ["adapter.adapter_config"], _nulls(config)
     assert config["adapter"]["peft"]["peft_type"] == "LORA" and config["adapter"]["peft"]["r"] == config["adapter"]["rank"]
-    assert config["batch_size"] == 16 and config["learning_rate"] == 3e-3 and config["num_processes"] == 1
+    assert config["batch_size"] == 16 and config["learning_rate"] == 6e-3 and config["num_processes"] == 1
     assert config["adapter"]["alpha"] == 16 and config["adapter"]["targets"] == ["query", "value"]
     assert 0 < config["max_length"] <= 128 and run["summary"]["effective_batch"] == 16
 

@@ -41,11 +41,19 @@ MUTATIONS = {
         "plan_ratio['tp+sp'] = 1.3  # a planner that misses what sequence parallel saves",
     ],
     "10_sharding": ["results['zero3']['memory'][1] = results['ddp']['memory'][1]  # rank 1 holding DDP's memory"],
-    "11_classification": ["runs['lora', 'pipeline']['accuracy_after'] = 0.5  # LoRA that does not learn"],
+    "11_classification": [
+        "runs['lora', 'pipeline']['accuracy_after'] = 0.5  # LoRA that does not learn",
+        "seeds['lora'] = [dict(r, accuracy_after=r['accuracy_after'] - 0.04) for r in seeds['lora']]"
+        "  # LoRA 0.04 further behind full fine-tuning",
+        "seeds['full'] = [dict(r, accuracy_after=chance + 0.01 * i) for i, r in enumerate(seeds['full'])]"
+        "  # full fine-tuning that stays at chance",
+    ],
     "12_traps": [
         "gaps[4]['trap'] = gaps[4]['cure']  # averaging means that changes nothing",
         "first['trap']['adapter_spread'] = 0.0  # ranks that stayed in step after evaluating first",
         "saved['trap']['elements'] = saved['expected_elements']  # a naive save that wrote the whole adapter",
+        "upcast['trap']['frozen_bytes'] = upcast['cure']['frozen_bytes']  # an upcast that stores no more per rank",
+        "upcast['cure']['frozen_bytes'] = upcast['unsharded_frozen_bytes']  # sharding that saves nothing",
     ],
     "13_peft_methods": [
         "forgot['full'] = forgot['lora']  # full fine-tuning that forgets no more than LoRA",

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib.util import find_spec
 
 import pytest
 
@@ -31,9 +32,29 @@ def test_every_trap_springs_and_every_cure_holds(tmp_path):
     assert first["trap"]["wrapped"] == "PeftModelForCausalLM" and first["trap"]["adapter_spread"] > 1e-4
     assert first["cure"]["wrapped"] == "DistributedDataParallel" and first["cure"]["adapter_spread"] == 0
     assert "without a data-parallel wrapper" in first["guarded"]["error"]
-    assert 2 * saved["trap"]["elements"] == saved["cure"]["elements"] == saved["expected_elements"]
+    naive = {"deepspeed_zero3": 0, "fsdp2": saved["expected_elements"] // 2}[saved["form"]]
+    assert saved["form"] == ("deepspeed_zero3" if find_spec("deepspeed") else "fsdp2")
+    assert saved["trap"]["elements"] == naive and saved["cure"]["elements"] == saved["expected_elements"] > 0
     assert "size mismatch" in saved["trap"]["error"] and saved["cure"]["logit_gap"] < 1e-4
-    assert upcast["trap"]["frozen_bytes"] == 2 * upcast["cure"]["frozen_bytes"] > 0
+    # each of the 2 ranks stores half the frozen bfloat16 base; upcast first, as much as the whole of it
+    assert upcast["cure"]["frozen_bytes_per_rank"] == [upcast["unsharded_frozen_bytes"] // 2] * 2
+    assert upcast["trap"]["frozen_bytes_per_rank"] == [upcast["unsharded_frozen_bytes"]] * 2
+
+
+@pytest.mark.slow
+def test_the_sharded_save_trap_springs_under_fsdp2_too(tmp_path):
+    from my_utils.run.launch import REPO_ROOT
+
+    out = tmp_path / "traps"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "my_utils.workflows.traps", "--preset", "tiny", "--traps", "sharded_save", "--zero3", "fsdp2",
+           "--output-dir", out]
+    proc = subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    saved = json.loads((out / "summary.json").read_text())["traps"]["sharded_save"]
+    assert saved["form"] == "fsdp2" and 2 * saved["trap"]["elements"] == saved["expected_elements"]
+    assert "size mismatch" in saved["trap"]["error"] and saved["cure"]["logit_gap"] < 1e-4
 
 
 def test_an_unwrapped_model_under_several_processes_is_refused():
@@ -53,6 +74,7 @@ def test_an_unwrapped_model_under_several_processes_is_refused():
 @pytest.mark.parametrize("args, message", [
     (["--traps", "oom"], "Unknown trap 'oom'; choose one of reentrant_ddp, evaluate_first, sharded_save"),
     (["--max-steps", "0"], "--max-steps must be a positive integer, got 0"),
+    (["--zero3", "fsdp1"], "invalid choice"),
     ([], "my_utils.workflows.traps needs 2 or more processes"),  # this test is one process
 ])
 def test_bad_settings_are_one_sentence_and_write_nothing(tmp_path, capsys, args, message):

@@ -19,25 +19,26 @@ METHOD_ORDER = ("full", "lora")
 
 
 def classification_runs(*paths) -> list[dict]:
-    """The complete classification runs at or below ``paths``, ordered by method then parallel mode: one dict per
-    run with its folder and summary."""
+    """The complete classification runs at or below ``paths``, ordered by method, parallel mode and seed: one dict
+    per run with its folder, its seed (from run.json's config; None where it has none) and its summary."""
     found = []
     for folder in find_run_dirs(*paths):
         run = load_run(folder)
         summary = run["summary"]
         if run["run"].get("status") == "complete" and summary and summary.get("workflow") == "classification":
-            found.append({"path": str(folder), **summary})
-    return sorted(found, key=lambda r: (METHOD_ORDER.index(r["method"]), PARALLEL_ORDER.index(r["parallel"])))
+            found.append({"path": str(folder), "seed": run["run"].get("config", {}).get("seed"), **summary})
+    return sorted(found, key=lambda r: (METHOD_ORDER.index(r["method"]), PARALLEL_ORDER.index(r["parallel"]),
+                                        r["seed"] or 0))
 
 
 def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
-    header = ["method", "parallel", "processes", "eval acc before -> after", "peak memory per process",
+    header = ["method", "parallel", "seed", "processes", "eval acc before -> after", "peak memory per process",
               "weights+grads+optimizer per process", "train time", "samples/s", "trainable params", "folder"]
 
     def per_process(values):
         return " / ".join(format_bytes(v) for v in values) if values else "-"
 
-    rows = [[r["method"], r["parallel"], str(r["world_size"]),
+    rows = [[r["method"], r["parallel"], "-" if r["seed"] is None else str(r["seed"]), str(r["world_size"]),
              f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}", per_process(r["peak_memory_per_rank"]),
              per_process(r.get("model_state_per_rank")),
              f"{r['runtime_s']:.1f} s", f"{r['samples_per_s']:.0f}", f"{r['trainable_params']:,}",

@@ -6,13 +6,15 @@
 - ``evaluate_first``: ``Trainer.evaluate()`` before ``Trainer.train()`` leaves the model unwrapped; every rank then
   trains alone and the run ends with exit code 0, its ranks' adapters apart. Cured by evaluating without the
   Trainer before training (``my_utils.core.evaluation.held_out_loss``).
-- ``sharded_save``: LoRA on an FSDP2 base (ZeRO-3), saved the way an unsharded model is: rank 0 writes its own
-  shard of each adapter tensor, and a reload gives other outputs (accelerate PR #4206; under DeepSpeed's ZeRO-3 the
-  same save writes empty tensors: DeepSpeed #4295, peft #2892). Cured by gathering the adapter whole first
-  (``my_utils.workflows.sharded_lora.save_whole``).
+- ``sharded_save``: LoRA on a ZeRO-3 base, saved the way an unsharded model is, by rank 0 alone. Under DeepSpeed's
+  ZeRO-3 (when DeepSpeed is installed) rank 0 holds empty placeholders and writes an adapter of no elements
+  (DeepSpeed #4295, peft #2892); under FSDP2 (without DeepSpeed) it writes its own shard of each tensor (accelerate
+  PR #4206). Neither reloads. Cured by gathering the adapter whole first (``deepspeed.zero.GatheredParameters``,
+  ``my_utils.workflows.sharded_lora.save_whole``).
 - ``frozen_upcast``: a bfloat16 base with LoRA, cast to float32 whole before ``fully_shard`` (as accelerate's FSDP2
   preparation did under mixed precision, accelerate #3844): each rank stores its frozen shards at twice the bytes.
-  Cured by keeping the frozen weights in bfloat16 and only the trainable ones in float32.
+  Cured by keeping the frozen weights in bfloat16 and only the trainable ones in float32. Both are measured against
+  the bytes the frozen weights take whole on one process.
 
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.traps --preset tiny
 
@@ -28,12 +30,15 @@ from my_utils.run.config import TrainingSettings, parse_config, setting
 from my_utils.run.results import RUNS_ROOT
 
 TRAPS = ("reentrant_ddp", "evaluate_first", "sharded_save", "frozen_upcast")
+ZERO3 = ("deepspeed", "fsdp2")  # what shards the base in sharded_save
 
 
 @dataclass
 class Config(TrainingSettings):
     traps: tuple[str, ...] = setting(TRAPS, "which traps to spring and cure, in order: " + ", ".join(TRAPS),
                                      choices=TRAPS)
+    zero3: str | None = setting(None, "what shards the base in sharded_save: deepspeed (DeepSpeed's ZeRO-3) or fsdp2 "
+                                "(FSDP2's fully_shard)", choices=ZERO3, unset="deepspeed where installed, else fsdp2")
     TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 4, "max_steps": 3, "max_length": 64}
     SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per step", "max_steps": "optimizer steps per "
                                     "trap and per cure", "max_length": "tokens per packed block"}
@@ -54,11 +59,23 @@ def validate(cfg: Config):
         raise UserError("--traps names none; give one or more of " + ", ".join(TRAPS) + ".")
     for trap in cfg.traps:
         check_choice("trap", trap, TRAPS)
+    if cfg.zero3 is not None:
+        check_choice("--zero3", cfg.zero3, ZERO3)
+    if cfg.zero3 == "deepspeed" and not deepspeed_installed():
+        raise UserError("--zero3 deepspeed needs DeepSpeed, an extra of the course: pip install -e \".[deepspeed]\"; "
+                        "or use --zero3 fsdp2.")
     return preset
 
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
-    return replace(cfg, **cfg.settled(preset), traps=tuple(cfg.traps), num_processes=world_size)
+    zero3 = cfg.zero3 or ("deepspeed" if deepspeed_installed() else "fsdp2")
+    return replace(cfg, **cfg.settled(preset), traps=tuple(cfg.traps), zero3=zero3, num_processes=world_size)
+
+
+def deepspeed_installed() -> bool:
+    from my_utils.workflows.sharding import deepspeed_installed as installed
+
+    return installed()
 
 
 def lora_copy(base, preset):
@@ -166,32 +183,24 @@ def evaluate_first(base, preset, cfg: Config, dataset, folder) -> dict:
 
 
 def sharded_save(base, preset, cfg: Config, dataset, batches, folder) -> dict:
-    """LoRA on a ZeRO-3 base (FSDP2), saved naively by rank 0 and saved whole; each reloaded into an unsharded
-    model, whose outputs must be the trained sharded model's."""
+    """LoRA on a ZeRO-3 base, saved naively by rank 0 and saved whole; each reloaded into an unsharded model, whose
+    outputs must be the trained sharded model's. Under DeepSpeed's ZeRO-3 (``--zero3 deepspeed``, the default where
+    DeepSpeed is installed: the naive save writes its empty placeholders) or FSDP2 (the naive save writes rank 0's
+    shards)."""
     import copy
 
     import torch
     import torch.distributed as dist
-    from peft import PeftModel, get_peft_model_state_dict
+    from peft import PeftModel
     from safetensors.torch import load_file
-    from torch.distributed.fsdp import fully_shard
 
-    from my_utils.workflows.sharded_lora import probe_logits, save_whole
+    from my_utils.workflows.sharded_lora import probe_logits
 
-    model = lora_copy(base, preset)
-    for block in model.base_model.model.transformer.h:
-        fully_shard(block)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
-    train_steps(model, optimizer, batches(), cfg.max_steps)
-    trained = torch.tensor(probe_logits(model, dataset))
-    # region: saving a sharded adapter
-    if dist.get_rank() == 0:  # the trap: rank 0 writes the adapter as it holds it, its own shard of each tensor
-        naive = {k: v.to_local().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-        model.save_pretrained(folder / "naive_adapter", state_dict=naive, safe_serialization=True)
-    save_whole(model, None, folder / "whole")  # the cure: every rank joins the gathering, rank 0 writes
-    # endregion
-    outcome = {}
+    # every adapter element, counted before sharding (a ZeRO-3 parameter's numel() is its placeholder's: 0)
+    expected = sum(p.numel() for p in lora_copy(base, preset).parameters() if p.requires_grad)
+    save = {"deepspeed": deepspeed_save, "fsdp2": fsdp2_save}[cfg.zero3]
+    trained = save(lora_copy(base, preset), cfg, batches, dataset, folder)
+    outcome = {"form": {"deepspeed": "deepspeed_zero3", "fsdp2": "fsdp2"}[cfg.zero3], "expected_elements": expected}
     if dist.get_rank() == 0:
         for name, path in (("trap", folder / "naive_adapter"), ("cure", folder / "whole" / "adapter")):
             saved = load_file(path / "adapter_model.safetensors")
@@ -204,16 +213,68 @@ def sharded_save(base, preset, cfg: Config, dataset, batches, folder) -> dict:
             except RuntimeError as error:  # torch's "size mismatch" on loading a shard into the whole tensor
                 entry["error"] = str(error).strip().splitlines()[-1].strip()
             outcome[name] = entry
-        outcome["expected_elements"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return outcome
+
+
+def deepspeed_save(model, cfg: Config, batches, dataset, folder):
+    """Train ``model`` under DeepSpeed's ZeRO-3, then save its adapter naively (trap) and gathered (cure); the
+    trained model's probe logits."""
+    import torch
+    import torch.distributed as dist
+
+    import deepspeed
+    from my_utils.workflows.sharded_lora import probe_logits
+    from my_utils.workflows.sharding import deepspeed_engine
+
+    engine, _ = deepspeed_engine(model, 3, cfg.learning_rate, cfg.batch_size)
+    for _, batch in zip(range(cfg.max_steps), batches()):
+        engine.backward(engine(**batch).loss)  # DeepSpeed's loop: the engine runs backward and the step
+        engine.step()
+    trained = torch.tensor(probe_logits(engine, dataset))
+    model = engine.module
+    # region: saving a sharded adapter
+    if dist.get_rank() == 0:  # the trap: rank 0 saves as for one process; ZeRO-3 left it empty placeholders
+        model.save_pretrained(folder / "naive_adapter", safe_serialization=True)
+    adapter = [p for p in model.parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters(adapter):  # the cure: every rank joins the gathering, rank 0 writes
+        if dist.get_rank() == 0:
+            model.save_pretrained(folder / "whole" / "adapter", safe_serialization=True)
+    # endregion
+    dist.barrier()
+    return trained
+
+
+def fsdp2_save(model, cfg: Config, batches, dataset, folder):
+    """Train ``model`` on an FSDP2 base, then save its adapter naively (trap: rank 0's shards) and gathered
+    (cure, ``sharded_lora.save_whole``); the trained model's probe logits."""
+    import torch
+    import torch.distributed as dist
+    from peft import get_peft_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from my_utils.workflows.sharded_lora import probe_logits, save_whole
+
+    for block in model.base_model.model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
+    train_steps(model, optimizer, batches(), cfg.max_steps)
+    trained = torch.tensor(probe_logits(model, dataset))
+    if dist.get_rank() == 0:  # the trap: rank 0 writes the adapter as it holds it, its own shard of each tensor
+        naive = {k: v.to_local().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+        model.save_pretrained(folder / "naive_adapter", state_dict=naive, safe_serialization=True)
+    save_whole(model, None, folder / "whole")  # the cure: every rank joins the gathering, rank 0 writes
+    return trained
 
 
 def frozen_upcast(base, preset) -> dict:
     """The bytes each rank stores for the frozen and the trainable weights of a sharded bfloat16 base with LoRA,
-    cast to float32 whole (the trap) or not (the cure: peft keeps the adapters in float32 already)."""
+    cast to float32 whole (the trap) or not (the cure: peft keeps the adapters in float32 already), beside the
+    bytes of the frozen weights of the same model whole on one process (``unsharded_frozen_bytes``)."""
     import copy
 
     import torch
+    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from my_utils.workflows.sharding import local_bytes
@@ -221,6 +282,7 @@ def frozen_upcast(base, preset) -> dict:
     outcome = {}
     for name in ("trap", "cure"):
         model = lora_copy(copy.deepcopy(base).to(torch.bfloat16), preset)  # as loaded with dtype=torch.bfloat16
+        outcome.setdefault("unsharded_frozen_bytes", local_bytes(p for p in model.parameters() if not p.requires_grad))
         # region: the upcast trap
         if name == "trap":
             model.to(torch.float32)  # every weight, frozen or not, for mixed precision's float32 master copy
@@ -230,6 +292,9 @@ def frozen_upcast(base, preset) -> dict:
         # endregion
         outcome[name] = {kind: local_bytes(p for p in model.parameters() if p.requires_grad == trainable)
                          for kind, trainable in (("frozen_bytes", False), ("trainable_bytes", True))}
+        every_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, outcome[name]["frozen_bytes"])
+        outcome[name]["frozen_bytes_per_rank"] = every_rank
     return outcome
 
 
