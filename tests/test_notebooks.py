@@ -26,7 +26,9 @@ MUTATIONS = {
         "peaks[RANKS[-1]] = peaks[RANKS[0]]  # memory that does not grow with the rank",
         "lines['alpha = 2r (scale 2)'][-1]['eval_loss'] = lines[next(iter(lines))][-1]['eval_loss']"
         "  # alpha = 2r's larger step changes nothing",
-        "rank_gain = noise.difference(1.6, 1.0)  # the largest rank far better at its best rate",
+        "lines[next(iter(lines))][-1]['eval_loss'] += 0.5  # with alpha fixed the rank moves the loss as the step does",
+        "rank_effect = mean_interval([-0.5, -0.6, -0.7])  # sixteen times the rank closing most of the gap to full",
+        "at_best[large_label] = {**large_best, 'learning_rate': LORA_RATES[-1]}  # a best rate no seeds ran at",
     ],
     "08_model_pipeline_parallel": [
         "pipes['gpipe', 8] = pipes['gpipe', 1]  # micro-batches that do not overlap the stages",

@@ -145,7 +145,7 @@ class Finished:
         return self.returncode
 
 
-def test_complete_cells_are_skipped_and_failed_ones_rerun(tmp_path, monkeypatch):
+def test_complete_cells_are_skipped_and_failed_ones_rerun(tmp_path, monkeypatch, capsys):
     out = tmp_path / "sweep"
     spec = sweep.SweepSpec(grids=[{"rank": [2, 4, 16], "alpha": [32]}])
     first, second, third = spec.cells()
@@ -172,7 +172,10 @@ def test_complete_cells_are_skipped_and_failed_ones_rerun(tmp_path, monkeypatch)
     assert (out / "rank4_alpha32" / "output.log").is_file(), "each cell's output is kept in its folder"
     assert json.loads((out / "sweep.json").read_text())["cells"] == spec.cells()
     ran.clear()
+    capsys.readouterr()
     assert [r["pid"] for r in sweep.run_sweep(spec, out)] == [r["pid"] for r in rows] and ran == []
+    said = [line for line in capsys.readouterr().out.splitlines() if "skipped" in line]
+    assert said == ["3 of 3 cells already complete in sweep, skipped; 0 to run"], "one line for the cells skipped"
     jobs, steady = 1, False
     with pytest.raises(UserError, match="--jobs must be a positive integer"):
         sweep.run_sweep(spec, out, jobs=0)
@@ -212,9 +215,14 @@ def test_the_analyses_come_from_the_rows(tmp_path):
     assert sentences[0] == ("rank 16 trains 8.0x more parameters than rank 2 (1,600 vs 200) for a held-out loss of "
                             "1.600 against 1.900.")
     assert sentences[-1] == "Lowest held-out loss: rank 16 (1.600)."  # no seeds: no rank called as good as another
-    # seeds measured beside the cells decide whether rank 2 is as good: a small spread separates them, a wide one not
+    # seeds measured beside the cells: a small spread separates the ranks; a wide one leaves them undecided, never
+    # "no difference"; rank 2 is as good as the best only within a stated margin that its whole interval fits
     assert sweep.tradeoffs(ladder, Noise(sd=0.05, df=4))[-1].endswith("every smaller rank ends measurably higher.")
-    assert "rank 2 ends within the noise between seeds of it (0.300 [" in sweep.tradeoffs(ladder, Noise(0.2, 4))[-1]
+    wide = sweep.tradeoffs(ladder, Noise(0.2, 4))[-1]
+    assert "rank 2 ends 0.300 [-0.485, 1.085] higher: these seeds neither separate" in wide and "no margin" in wide
+    assert sweep.tradeoffs(ladder, Noise(0.2, 4), margin=0.5)[-1].endswith("nor bound the difference within 0.5.")
+    level = sweep.tradeoffs(ladder, Noise(0.2, 4), margin=1.2)[-1]
+    assert "rank 2 ends within 1.2 of it (0.300 [-0.485, 1.085], inside +-1.2) with 0.12x" in level
 
     # at rank 16 the three rules give one scale, 2: one run on every line
     lines = sweep.scaling_lines(sweep.select(rows, learning_rate=2e-3, targets=["c_attn"]), sweep.scaling_rules(32, 8))

@@ -12,10 +12,12 @@ from my_utils.tools.sweep.results import (SETTINGS, load_sweep, row_label, seed_
                                          update_scale, varying)
 
 
-def tradeoffs(rows: list[dict], noise=None) -> list[str]:
+def tradeoffs(rows: list[dict], noise=None, margin: float | None = None) -> list[str]:
     """What a larger rank costs and buys, each sentence computed from ``rows`` (cells that differ only in rank; seeds
-    merged by ``seed_means``). ``noise`` (``seed_noise``): the spread between seeds, which a smaller rank's held-out
-    loss must stay within to count as good as the best; without it no rank is called as good as another."""
+    merged by ``seed_means``). ``noise`` (``seed_noise``): the spread between seeds, which gives each smaller rank's
+    difference from the best its interval. A smaller rank is called as good as the best only within a stated
+    ``margin`` of held-out loss (its interval inside +-margin: an equivalence); an interval that neither excludes 0
+    nor fits a margin is said to be undecided, not "no difference"."""
     from my_utils.core.memory import format_bytes
 
     rows = sorted(rows, key=lambda r: r["rank"])
@@ -44,16 +46,25 @@ def tradeoffs(rows: list[dict], noise=None) -> list[str]:
     if scored:
         best = min(scored, key=lambda r: (r["eval_loss"], r["rank"]))
         sentence = f"Lowest held-out loss: rank {best['rank']} ({best['eval_loss']:.3f})"
-        if noise is not None:
-            # the smallest rank whose difference from the best the noise cannot tell from zero
-            def apart(r):
+        smaller = [r for r in scored if r["rank"] < best["rank"]]
+        if noise is not None and smaller:
+            def apart(r):  # r's held-out loss minus the best's, with its interval from the seeds' noise
                 return noise.difference(r["eval_loss"], best["eval_loss"], len(r.get("seeds", [0])),
                                         len(best.get("seeds", [0])))
 
-            enough = min((r for r in scored if not apart(r).excludes(0)), key=lambda r: r["rank"])
-            sentence += ("; every smaller rank ends measurably higher" if enough is best else
-                         f"; rank {enough['rank']} ends within the noise between seeds of it ({apart(enough)}) with "
-                         f"{enough['trainable_params'] / best['trainable_params']:.2f}x its trainable parameters")
+            level = [r for r in smaller if margin is not None and apart(r).inside(-margin, margin)]
+            open_ = [r for r in smaller if not apart(r).excludes(0)]
+            if level:
+                r = level[0]
+                sentence += (f"; rank {r['rank']} ends within {margin:g} of it ({apart(r)}, inside +-{margin:g}) with "
+                             f"{r['trainable_params'] / best['trainable_params']:.2f}x its trainable parameters")
+            elif open_:
+                r = open_[0]
+                sentence += (f"; rank {r['rank']} ends {apart(r)} higher: these seeds neither separate it from the "
+                             "best nor bound the difference" + (f" within {margin:g}" if margin is not None else
+                                                                 " (no margin stated)"))
+            else:
+                sentence += "; every smaller rank ends measurably higher"
         sentences.append(sentence + ".")
     return sentences
 

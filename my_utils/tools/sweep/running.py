@@ -92,12 +92,12 @@ def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool, fresh
     cells = {cell_name(c): c for c in saved_cells(out)} | {cell_name(c): c for c in spec.cells()}
     atomic_write_json(out / "sweep.json", redact_secrets({**asdict(spec), "cells": list(cells.values())}))
 
-    todo = []
+    todo, skipped = [], 0
     for cell in spec.cells():
         folder = out / cell_name(cell)
         status = cell_status(folder)
         if status == "complete":
-            print(f"{folder.name}: complete, skipped", flush=True)
+            skipped += 1
             continue
         if status == "running":
             raise UserError(f"The cell {folder} is still being run by another process; let that sweep finish "
@@ -107,6 +107,9 @@ def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool, fresh
             folder.rename(moved)
             print(f"{folder.name}: the earlier run was {status}; kept as {moved.name}, running it again", flush=True)
         todo.append(cell)
+    if skipped:  # one line, with a count: the folders name the cells
+        print(f"{skipped} of {len(spec.cells())} cells already complete in {out.name}, skipped; {len(todo)} to run",
+              flush=True)
     # The children's own progress bars would only fill their logs. Cells side by side share the cores.
     threads = {"OMP_NUM_THREADS": max(1, usable_cores() // jobs)} if jobs > 1 else {}
     env = clean_env(TQDM_DISABLE=1, **threads, **(STEADY_MEMORY_ENV if steady_memory else {}))
