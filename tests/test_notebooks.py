@@ -18,9 +18,19 @@ MUTATIONS = {
     "04_lora": ["board = {step: loss * 1.01 for step, loss in board.items()}  # a dashboard with other numbers"],
     "05_lora_ddp": [
         "against_one['none'] = difference([1.30, 1.31, 1.29], [1.30, 1.32, 1.28])  # half the steps cost nothing",
+        "against_one['linear'] = difference([1.30, 1.31, 1.29], [1.30, 1.32, 1.28])  # the best rule keeps quality",
+        "versus['none'] = difference([1.30, 1.31, 1.29], [1.30, 1.32, 1.28])  # keeping the rate as good as linear",
+        "more_examples = difference(held_out(single), held_out(single))  # one process's steps on 2 gain nothing",
         "cpu_ratio = 0.95  # two processes no faster",
     ],
-    "06_qlora": ["versus['4bit'] = difference([1.3 * x for x in held_out(seeds['4bit'])], held_out(seeds['none']))"],
+    "06_qlora": [
+        "versus['4bit'] = difference([x + 2 * margin for x in held_out(seeds['4bit'])], held_out(seeds['none']))"
+        "  # 4-bit twice the margin behind",
+        "from my_utils.core.stats import Interval; versus['8bit'] = Interval(0.0, -1.5 * margin, 1.5 * margin, 6)"
+        "  # centred on zero, but wider than the margin",
+        "comparisons['8bit'] = [r._replace(ratio=r.ratio * 1.03) for r in comparisons['8bit']]  # the plan 3% off",
+        "seeds['4bit'][1]['summary']['similarity_after'] = 0.0  # a run the fixed scorer says learned nothing",
+    ],
     "07_rank_sweep": [
         "placement = difference(attention_cell['eval_losses'], attention_cell['eval_losses'])  # no placement effect",
         "peaks[RANKS[-1]] = peaks[RANKS[0]]  # memory that does not grow with the rank",
