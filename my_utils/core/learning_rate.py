@@ -27,6 +27,8 @@ FULL_FINE_TUNING_SHARE = 0.1  # full fine-tuning moves every pretrained weight: 
 
 
 def default_learning_rate(preset, method: str) -> float:
-    """The rate a run uses when none is given: the preset's (tuned for LoRA), or a tenth of it for full
-    fine-tuning."""
-    return preset.learning_rate * (FULL_FINE_TUNING_SHARE if method == "full" else 1.0)
+    """The rate a run uses when none is given: the preset's LoRA rate, or for full fine-tuning the preset's full
+    fine-tuning rate where it was measured, else a tenth of LoRA's (the published rule of thumb)."""
+    if method == "full":
+        return preset.full_learning_rate or preset.learning_rate * FULL_FINE_TUNING_SHARE
+    return preset.learning_rate

@@ -104,8 +104,8 @@ class TrainingSettings(RunSettings):
     batch_size: int | None = setting(None, "examples per process per step", unset="the preset's")
     max_steps: int | None = setting(None, "optimizer steps", unset="the preset's")
     max_length: int | None = setting(None, "tokens per example", unset="the preset's")
-    learning_rate: float | None = setting(None, "peak rate (default: the preset's for LoRA, a tenth of it for full "
-                                                "fine-tuning)")
+    learning_rate: float | None = setting(None, "peak rate (default: the preset's for LoRA, its full fine-tuning rate "
+                                                "or a tenth of LoRA's for full fine-tuning)")
 
     def __post_init__(self):
         for name, value in self.TRAINING_DEFAULTS.items():

@@ -43,7 +43,7 @@ class Config(TrainingSettings):
         "batch_size": "examples per process per step; a pipeline is one model replica, so its batch_size is the whole "
                       "batch (default: the preset's batch, shared by the DDP processes)",
         "learning_rate": "peak rate, decaying linearly to zero (default: LEARNING_RATES, per preset and method; "
-                         "elsewhere the preset's for LoRA, a tenth of it for full fine-tuning)",
+                         "elsewhere the preset's for the method)",
         "max_length": "tokens per sentence (default: the longest sentence, at most the preset's max_length)"}
     method: str = setting("lora", "full (every weight trains) or lora (adapters on the preset's classifier targets)",
                           choices=METHODS)

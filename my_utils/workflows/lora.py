@@ -63,8 +63,8 @@ RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "num_processes", "timeout
 class Config(TrainingSettings):
     SETTING_HELP: ClassVar[dict] = {
         "batch_size": "examples per process per micro-batch",
-        "learning_rate": "the rate at the preset's batch (default: the preset's for LoRA, a tenth of it for full "
-                         "fine-tuning); --lr-scaling scales it to the effective batch, and summary.json records the "
+        "learning_rate": "the rate at the preset's batch (default: the preset's for LoRA, its full fine-tuning "
+                         "rate or a tenth of LoRA's for full fine-tuning); --lr-scaling scales it to the effective batch, and summary.json records the "
                          "rate that ran"}
     method: str = setting("lora", "lora: a peft adapter, LoRA unless --adapter-config names another method (with "
                           "--quantize, QLoRA); full: every weight trains", choices=METHODS)

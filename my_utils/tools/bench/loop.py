@@ -27,7 +27,7 @@ class LoopConfig:
     logging_steps: int = 5
     sampling: str = "random"  # random | group_by_length (the Trainer's names)
     random_tokens: bool = False  # blocks of max_length random tokens (no padding, no tokenizer) instead of data
-    learning_rate: float | None = None  # default: the preset's (LoRA), a tenth of it (full), as the workflow
+    learning_rate: float | None = None  # default: the preset's for the method, as the workflow
     random_init: bool = False
     data_file: str | None = None
     seed: int = 0
