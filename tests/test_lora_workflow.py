@@ -39,7 +39,7 @@ def test_resolve_settles_every_default_before_the_folder_opens():
     assert (cfg.batch_size, cfg.learning_rate, cfg.num_processes) == (preset.batch_size, preset.learning_rate, 2)
     assert lora.resolve(cfg, preset, world_size=2) == cfg, "resolving twice changes nothing (resume compares them)"
     full = lora.resolve(lora.Config(method="full"), preset, world_size=1)
-    assert full.adapter is None and full.learning_rate == preset.learning_rate / 10  # full fine-tuning: no adapter
+    assert full.adapter is None and full.learning_rate == preset.full_learning_rate  # full fine-tuning: no adapter
     # the optimizer's rate: the recorded one scaled from the preset's batch to the effective batch
     sqrt = lora.resolve(lora.Config(lr_scaling="sqrt"), preset, world_size=4)
     assert lora.training_learning_rate(sqrt, preset, 4) == pytest.approx(2 * sqrt.learning_rate)

@@ -38,3 +38,11 @@ def test_the_default_learning_rate_follows_one_rule(name):
     assert config().settled(preset)["learning_rate"] == default_learning_rate(preset, config.METHOD)
     given = dataclasses.replace(config(), learning_rate=0.5, max_steps=3)
     assert given.settled(preset)["learning_rate"] == 0.5 and given.settled(preset)["max_steps"] == 3
+
+
+def test_full_fine_tuning_takes_the_presets_measured_rate_else_a_tenth_of_loras():
+    tiny = get_preset("tiny")
+    assert default_learning_rate(tiny, "full") == tiny.full_learning_rate != tiny.learning_rate / 10
+    unmeasured = dataclasses.replace(tiny, full_learning_rate=None)
+    assert default_learning_rate(unmeasured, "full") == pytest.approx(tiny.learning_rate / 10)
+    assert default_learning_rate(unmeasured, "lora") == default_learning_rate(tiny, "lora") == tiny.learning_rate
