@@ -69,8 +69,15 @@ MUTATIONS = {
     ],
     "13_peft_methods": [
         "forgot['full'] = forgot['lora']  # full fine-tuning that forgets no more than LoRA",
-        "by['lora+all-linear'] = by['lora']  # placement that changes nothing",
+        "placement = noise.difference(seeded['lora']['eval_loss'], seeded['lora']['eval_loss'], 3, 3)"
+        "  # placement that changes nothing",
         "counted['ia3'] = (counted['ia3'][0] + 1, counted['ia3'][1])  # a planner count one off peft's",
+        "best[2]['rates'][-1] = (best[2]['rates'][-1][0], 0.0)  # a highest rate that beats the middle one",
+        "full_gap = noise.difference(best_adapter['eval_loss'] - noise.sd, best_adapter['eval_loss'])"
+        "  # full fine-tuning one seed-noise sd ahead of the best adapter",
+        "prompt_gaps['p_tuning'] = noise.difference(loss[worst_lora][0] + noise.sd, loss[worst_lora][0], 1, 3)"
+        "  # P-tuning one seed-noise sd behind",
+        "brackets = {m: (3e-3, 1e-2) for m in brackets}  # every method's optimum between the same two rates",
     ],
     "14_compare": [
         "part_ratios.append(1.3)  # a part the planner misses by 30%",

@@ -10,9 +10,11 @@ import pytest
 from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
 from my_utils.run.results import REPO_ROOT, load_run
+from my_utils.tools.peft_methods import TRAINING_PARAMS, training_params
 from my_utils.workflows import lora
 
-SHIPPED = sorted((REPO_ROOT / "configs" / "peft").glob("*.json"))
+PEFT = REPO_ROOT / "configs" / "peft"
+SHIPPED = sorted(f for f in PEFT.glob("*.json") if not f.name.endswith(TRAINING_PARAMS))
 TINY_RUN = ["--preset", "tiny", "--max-steps", "2", "--logging-steps", "1", "--batch-size", "4", "--eval-rows", "4",
             "--skip-generation-eval"]
 
@@ -46,6 +48,20 @@ def test_the_planner_counts_every_shipped_method_as_peft_does_on_every_preset():
             counted.append((name, file.stem))
     assert len(SHIPPED) >= 9 and len(counted) >= 3 * len(SHIPPED), counted
     assert sorted(refused) == [("gpt2", "loha"), ("opt-350m", "ln_tuning"), ("tiny", "loha")], refused
+
+
+def test_every_methods_learning_rates_are_data_beside_its_adapter_config(tmp_path):
+    trained = sorted(f.name[:-len(TRAINING_PARAMS)] for f in PEFT.glob(f"*{TRAINING_PARAMS}"))
+    assert "full" in trained and all((PEFT / f"{m}.json").is_file() for m in trained if m != "full"), trained
+    for method in trained:
+        rates = training_params(PEFT, method)["learning_rates"]
+        assert len(rates) >= 3 and rates == sorted(rates), (method, rates)
+    for rates in ([1e-3, 1e-2], [1e-2, 1e-3, 1e-1], [1e-3, 1e-3, 1e-2], "1e-3"):
+        (tmp_path / f"x{TRAINING_PARAMS}").write_text(json.dumps({"learning_rates": rates}))
+        with pytest.raises(UserError, match="three or more increasing positive rates"):
+            training_params(tmp_path, "x")
+    with pytest.raises(UserError, match="has no training parameters"):
+        training_params(tmp_path, "y")
 
 
 def _refusal(argv, capsys) -> str:

@@ -6,8 +6,9 @@ the results folders of a sweep (``my_utils.tools.sweep``) whose cells name peft 
     print(method_table(best))
 
 A method is a results folder's adapter config (``configs/peft/ia3.json`` -> ``ia3``), or ``full`` for full
-fine-tuning, with ``all-linear`` added where its targets say so. Each method's rows differ in the learning rate;
-its best is the one with the lowest held-out loss. ``peft_results`` writes a run in the layout of peft's own
+fine-tuning, with ``all-linear`` added where its targets say so. The learning rates a method runs at are data kept
+beside its adapter config (``configs/peft/ia3.training.json``, read by ``training_params``). Each method's rows
+differ in the learning rate; its best is the one with the lowest held-out loss. ``peft_results`` writes a run in the layout of peft's own
 ``method_comparison`` results, so that a tiny run can sit beside the published ones.
 """
 
@@ -17,16 +18,37 @@ import contextlib
 import platform
 from pathlib import Path
 
+from my_utils import UserError
 from my_utils.core.adapters import ALL_LINEAR, PROMPT_LEARNING
 from my_utils.run.results import read_json
 
+TRAINING_PARAMS = ".training.json"  # beside <method>.json, as peft's method_comparison keeps training_params.json
+
+
+def training_params(folder: str | Path, method: str) -> dict:
+    """What a method trains with, kept beside its adapter config: ``<folder>/<method>.training.json`` (``full``
+    has one with no adapter config), its ``learning_rates`` three or more increasing rates, the best of a wider
+    search among the inner ones, so that a sweep over them finds its best bracketed."""
+    path = Path(folder) / f"{method}{TRAINING_PARAMS}"
+    if not path.is_file():
+        raise UserError(f"{method} has no training parameters: write {path} with its learning_rates.")
+    params = read_json(path)
+    rates = params.get("learning_rates")
+    if (not isinstance(rates, list) or len(rates) < 3 or not all(isinstance(r, (int, float)) and r > 0 for r in rates)
+            or sorted(set(rates)) != rates):
+        raise UserError(f"{path}: learning_rates must be three or more increasing positive rates, so that a best "
+                        f"one can lie between two others; got {rates!r}.")
+    return params
+
 
 def method_label(row: dict) -> str:
-    """``full``, or the adapter file's name (``lora``, ``ia3``...), ``+all-linear`` where the targets say so."""
+    """``full``, or the adapter file's name (``lora``, ``ia3``...), ``+all-linear`` where the targets say so and
+    the name does not."""
     if row["method"] == "full":
         return "full"
     name = Path(row["adapter_config"]).stem if row.get("adapter_config") else "lora"
-    return f"{name}+{ALL_LINEAR}" if row.get("targets") in ([ALL_LINEAR], (ALL_LINEAR,)) else name
+    named = ALL_LINEAR.replace("-", "_") in name  # a file of its own for all-linear (lora_all_linear.json)
+    return f"{name}+{ALL_LINEAR}" if row.get("targets") in ([ALL_LINEAR], (ALL_LINEAR,)) and not named else name
 
 
 def with_figures(row: dict) -> dict:
@@ -44,8 +66,9 @@ def with_figures(row: dict) -> dict:
 
 def best_per_method(rows: list[dict]) -> list[dict]:
     """One row per method, in the order the methods first appear: the rate with the lowest held-out loss, with
-    ``rates`` (every rate tried, and its held-out loss) and ``at_edge`` (the best is the lowest or highest rate
-    tried, so a better one may lie beyond)."""
+    ``rates`` (every rate tried, and its held-out loss), ``at_edge`` (the best is the lowest or highest rate
+    tried, so a better one may lie beyond) and ``bracket`` (the rates either side of the best: the optimum lies
+    between them; None at an end)."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
         groups.setdefault(method_label(row), []).append(row)
@@ -53,8 +76,11 @@ def best_per_method(rows: list[dict]) -> list[dict]:
     for group in groups.values():
         group = sorted(group, key=lambda r: r["learning_rate"])
         top = min(group, key=lambda r: r["eval_loss"])
+        i = group.index(top)
+        at_edge = len(group) > 1 and i in (0, len(group) - 1)
         best.append({**with_figures(top), "rates": [(r["learning_rate"], r["eval_loss"]) for r in group],
-                     "at_edge": len(group) > 1 and top in (group[0], group[-1])})
+                     "at_edge": at_edge, "bracket": None if at_edge or len(group) == 1 else
+                     (group[i - 1]["learning_rate"], group[i + 1]["learning_rate"])})
     return best
 
 
