@@ -29,7 +29,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from my_utils.run.results import CLAIMS_FILE, read_json  # noqa: E402
+from my_utils.lessons.notebook import CLAIMS_FILE  # noqa: E402
+from my_utils.run.results import read_json  # noqa: E402
 from my_utils.tools.bench import BENCHMARKS, render_table  # noqa: E402
 from my_utils.tools.compare import overview  # noqa: E402
 from my_utils.tools.gpucheck import report as gpucheck_report  # noqa: E402

@@ -99,7 +99,7 @@ def held_elsewhere(subprocess_env):
 
     @contextmanager
     def hold(folder):
-        code = ("import sys, time\nfrom my_utils.run.results import hold_folder\n"
+        code = ("import sys, time\nfrom my_utils.run.locks import hold_folder\n"
                 "hold_folder(sys.argv[1]); print('held', flush=True); time.sleep(120)")
         holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True,
                                   env=subprocess_env)

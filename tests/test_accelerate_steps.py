@@ -70,7 +70,7 @@ def _summary(path):
 @pytest.mark.slow
 def test_base_step_runs_alone(tmp_path, subprocess_env):
     out = tmp_path / "base"
-    cmd = [sys.executable, "-m", f"{PACKAGE}.step1_base", "--preset", "tiny", "--max-steps", "3", "--batch-size",
+    cmd = [sys.executable, "-m", f"{PACKAGE}.step1_base", "--preset", "tiny", "--max-steps", "3", "--local-batch-size",
            "2", "--max-length", "32", "--output-dir", str(out)]
     subprocess.run(cmd, env=subprocess_env, check=True, capture_output=True, timeout=600)
     summary = _summary(out)
@@ -79,7 +79,7 @@ def test_base_step_runs_alone(tmp_path, subprocess_env):
 
 @pytest.mark.slow
 def test_complete_loop_on_two_processes_resumes_where_it_stopped(tmp_path, subprocess_env, tracked_losses):
-    common = ["--preset", "tiny", "--max-steps", "4", "--grad-accum", "2", "--batch-size", "2", "--max-length", "32"]
+    common = ["--preset", "tiny", "--max-steps", "4", "--grad-accum", "2", "--local-batch-size", "2", "--max-length", "32"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     module = f"{PACKAGE}.step6_tracking"
     _launch(module, [*common, "--save-steps", "2", "--report-to", "tensorboard", "--output-dir", straight],
@@ -89,7 +89,7 @@ def test_complete_loop_on_two_processes_resumes_where_it_stopped(tmp_path, subpr
 
     for run in (straight, resumed):
         workers = [json.loads(p.read_text()) for p in sorted((run / "workers").glob("rank_*.json"))]
-        assert [w["world_size"] for w in workers] == [2, 2] and {w["rank"] for w in workers} == {0, 1}
+        assert [w["world_size"] for w in workers] == [2, 2] and {w["process"] for w in workers} == {0, 1}
         assert _summary(run)["world_size"] == 2
     assert (straight / "checkpoints" / "step_2").is_dir() and (straight / "checkpoints" / "step_4").is_dir()
     # 4 steps x 2 accumulated batches; the resumed run trains the batches of steps 3 and 4 only, from the same state

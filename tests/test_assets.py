@@ -186,7 +186,7 @@ def test_the_tiny_llama_is_smollm2s_architecture_at_the_tiny_presets_size():
     that the embedding and the output layer can both be split by vocabulary."""
     from my_utils.core.models import load_tokenizer
     from my_utils.core.presets import get_preset
-    from my_utils.workflows.tensor_parallel import TINY_LLAMA
+    from my_utils.core.splits import TINY_LLAMA
 
     config = AutoConfig.from_pretrained(TINY_LLAMA)
     tiny = AutoConfig.from_pretrained(get_preset("tiny").causal_model)

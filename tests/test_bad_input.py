@@ -20,8 +20,10 @@ from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
 from my_utils.core.presets import get_preset
 from my_utils.run import launch
-from my_utils.run.launch import REPO_ROOT
-from my_utils.run.results import REDACTED, Run
+from my_utils.core.paths import REPO_ROOT
+from my_utils.run.redaction import REDACTED, secret_hash
+from my_utils.run.results import Run
+from my_utils.run.config import as_record
 from my_utils.run.launch import accelerate_default_config
 from my_utils.workflows import lora
 
@@ -65,7 +67,7 @@ def write_rows(path: Path, items) -> Path:
     (["--rank", "0"], "LoRA rank must be a positive integer, got 0; try --rank 8."),
     (["--rank", "abc"], "argument --rank: invalid int value: 'abc'; see --help."),
     (["--alpha", "-2"], "LoRA alpha must be a positive number, got -2.0"),
-    (["--batch-size", "0"], "--batch-size must be a positive integer, got 0."),
+    (["--local-batch-size", "0"], "--local-batch-size must be a positive integer, got 0."),
     (["--max-steps", "-3"], "--max-steps must be a positive integer, got -3."),
     (["--max-steps", "ten"], "argument --max-steps: invalid int value: 'ten'"),
     (["--num-processes", "64"], "64 processes asked for but this machine has"),
@@ -140,8 +142,8 @@ def check(tmp_path, **changes):
     ({"alpha": 0}, "LoRA alpha must be a positive number, got 0"),
     ({"alpha": math.nan}, "LoRA alpha must be a positive number, got nan"),
     ({"alpha": "16"}, "LoRA alpha must be a positive number, got '16'"),
-    ({"batch_size": -1}, "--batch-size must be a positive integer, got -1"),
-    ({"batch_size": "8"}, "--batch-size must be a positive integer, got '8'"),
+    ({"local_batch_size": -1}, "--local-batch-size must be a positive integer, got -1"),
+    ({"local_batch_size": "8"}, "--local-batch-size must be a positive integer, got '8'"),
     ({"max_steps": 0}, "--max-steps must be a positive integer, got 0"),
     ({"max_steps": 1.5}, "--max-steps must be a positive integer, got 1.5"),
     ({"learning_rate": math.inf}, "--learning-rate must be a positive number, got inf"),
@@ -162,11 +164,11 @@ def check(tmp_path, **changes):
     ({"targets": ("attn",)}, "LoRA target module 'attn' is a GPT2Attention, which LoRA cannot adapt"),
     ({"max_length": 512}, r"max_length 512 is longer than the model allows \(256\); use --max-length 256"),
     ({"max_length": 8}, "does not fit max_length 8; raise --max-length"),
-    ({"batch_size": 4096}, "fewer than one global batch of 4096"),
+    ({"local_batch_size": 4096}, "fewer than one global batch of 4096"),
     ({"packing": True, "group_by_length": True}, "--packing fills every row to --max-length, so there are no lengths"),
     ({"packing": True, "adapter_config": "configs/peft/prompt_tuning.json"},
      "--packing restarts the position ids at every example, which PROMPT_TUNING"),
-    ({"packing": True, "batch_size": 1024}, "The dataset has .* rows, fewer than one global batch of 1024"),
+    ({"packing": True, "local_batch_size": 1024}, "The dataset has .* rows, fewer than one global batch of 1024"),
 ])
 def test_bad_settings_are_one_sentence_before_the_folder_exists(tmp_path, changes, message):
     with pytest.raises(UserError, match=message) as e:
@@ -181,6 +183,8 @@ def test_bad_settings_are_one_sentence_before_the_folder_exists(tmp_path, change
     (b'{"instruction": "Say hi", "output": "hi"}\n', "has no column 'input'; every row needs instruction"),
     (b'{"instruction": "Say hi", "input": "", "output": "hi"\n', "Line 1 of .* is not valid JSON"),
     (b'{"instruction": "Add 2 and 2.", "input": "", "output": 4}\n' * 2, "has int 4 in column 'output', not text"),
+    (b'{"instruction": "Say hi", "input": "", "output": "' + b"hi" * 600_000 + b'"}\n',
+     "Line 1 of .* is 1,200,052 characters long, over the 1,000,000 a row may hold"),  # tokenizing it takes minutes
 ])
 def test_bad_data_files_are_one_sentence_before_the_folder_exists(tmp_path, content, message):
     data = tmp_path / "data.jsonl"
@@ -212,7 +216,7 @@ def test_more_processes_than_cores_is_refused(tmp_path, monkeypatch):
 def _finished_run(path: Path, status: str, **changes) -> Path:
     # as a real run records it: every default resolved ("auto" precision settled to what this machine runs)
     recorded = lora.resolve(lora_config(output_dir=str(path), **changes), get_preset("tiny"), 1)
-    run = Run.create(path, config=dataclasses.asdict(recorded), world_size=1)
+    run = Run.create(path, config=as_record(recorded), world_size=1)
     if status == "complete":
         run.finish({"steps": 1})
     else:
@@ -240,7 +244,8 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, status, config, resume
 @pytest.mark.slow
 def test_a_running_run_is_refused_while_its_writer_lives_and_reads_as_crashed_once_it_is_gone(tmp_path,
                                                                                                 held_elsewhere):
-    from my_utils.run.results import load_run, release_folder
+    from my_utils.run.locks import release_folder
+    from my_utils.run.results import load_run
 
     folder = _finished_run(tmp_path / "run", "failed")
     Run(folder).update(status="running")  # as a live run records itself
@@ -326,8 +331,10 @@ def test_secrets_never_reach_run_json(tmp_path, monkeypatch):
     assert info["command"] == ["lora.py", "--hub-token", REDACTED, f"--password={REDACTED}", "--note",
                                f"key {REDACTED}", "--rank", "8", "--max-new-tokens", "16"]
     assert info["config"]["rank"] == 8 and info["config"]["max_new_tokens"] == 16
-    assert info["config"]["nested"] == {"api_key": REDACTED, "keyboard": "qwerty"}
-    assert info["config"]["hf_token"] == REDACTED and info["config"]["data_file"] == f"/data/{REDACTED}/rows.jsonl"
+    # the config is compared on --resume: each secret by its hash, which tells two secrets apart
+    assert info["config"]["nested"] == {"api_key": secret_hash("abc"), "keyboard": "qwerty"}
+    assert info["config"]["hf_token"] == secret_hash(token) != secret_hash(token + "x")
+    assert info["config"]["data_file"] == f"/data/{secret_hash(token)}/rows.jsonl"
 
 
 def test_remote_code_is_off_unless_asked_for(monkeypatch):
@@ -376,7 +383,7 @@ def test_every_torch_load_is_restricted_to_tensors():
 
 
 def test_the_secret_redactor_leaves_ordinary_words_and_file_names_alone():
-    from my_utils.run.results import redact_secrets
+    from my_utils.run.redaction import redact_secrets
 
     names = ["runs/task-classification-eval-rows-1234567/rows.jsonl", "/mnt/disk-0123456789abcdefghij/data.jsonl",
              "ask-the-model-what-it-learned-today.txt", "flask-app-configuration-production"]
@@ -414,11 +421,16 @@ HOSTILE = [
     ("plan", ["--zero", "2"], "ZeRO shards over processes: --zero 2 needs --processes 2 or more"),
     ("plan", ["--zero", "4"], "argument --zero: invalid choice: 4"),
     ("plan", ["--method", "qlora", "--zero", "1", "--processes", "2"], "does not model ZeRO over quantized weights"),
-    ("plan", ["--preset", "smollm2-135m", "--method", "full", "--tp", "2"], "--tp 2 does not divide smollm2-135m's 9 heads"),
+    ("plan", ["--preset", "smollm2-135m", "--method", "full", "--tp", "2"],
+     "The model's attention heads, 9, do not split over 2 processes"),  # tensor_parallel's own sentence
+    ("plan", ["--preset", "gpt2", "--method", "full", "--tp", "2"], "The tensor-parallel plan is written for Llama"),
+    ("plan", ["--method", "full", "--tp", "2", "--sequence-parallel", "--max-length", "63"],
+     "--sequence-parallel splits each sequence over the processes and --max-length 63 does not split over 2"),
     ("plan", ["--method", "lora", "--tp", "2"], "models tensor parallel for full fine-tuning"),
     ("plan", ["--tp", "0"], "--tp must be a positive integer, got 0"),
-    ("plan", ["--pp", "9"], "--pp 9 is more stages than tiny's 4 blocks"),
-    ("plan", ["--pp", "2", "--microbatches", "3"], "--microbatches 3 does not divide the batch of 16"),
+    ("plan", ["--pp", "9"], "9 stages for a model of 4 layers leave a stage without one"),  # pipeline_parallel's
+    ("plan", ["--pp", "2", "--microbatches", "3"], "A batch of 16 sequences does not split into 3 equal micro-batches"),
+    ("plan", ["--pp", "4", "--microbatches", "2"], "1F1B needs at least one micro-batch per stage"),
     ("plan", ["--method", "full", "--pp", "2", "--processes", "2", "--zero", "3"], "models ZeRO-1 with pipeline parallel"),
     ("plan", ["--method", "qlora", "--pp", "2"], "does not model quantized weights or gradient checkpointing with --tp"),
     ("compare", ["{run}", "--output-dir", "{tmp}/a_file"], "--output-dir .* is a file; name a folder"),

@@ -14,7 +14,7 @@ import pytest
 
 from my_utils import UserError
 from my_utils.tools import bench
-from my_utils.run.launch import REPO_ROOT
+from my_utils.core.paths import REPO_ROOT
 
 
 @pytest.mark.slow
@@ -56,12 +56,10 @@ def test_bad_input_is_one_sentence(argv, message):
 
 
 def test_precision_follows_where_bf16_is_faster(monkeypatch):
-    from my_utils.core import devices
-
-    monkeypatch.setattr(devices, "fast_bf16", lambda: False)
+    monkeypatch.setattr(bench, "fast_bf16", lambda: False)
     assert not bench.parse_args([])[1].bf16
     assert bench.parse_args(["--precision", "bf16"])[1].bf16  # measured anyway, when asked
-    monkeypatch.setattr(devices, "fast_bf16", lambda: True)
+    monkeypatch.setattr(bench, "fast_bf16", lambda: True)
     assert bench.parse_args([])[1].bf16 and not bench.parse_args(["--precision", "fp32"])[1].bf16
 
 
@@ -148,7 +146,8 @@ def test_quick_run_writes_results_folders_with_every_ratio(tmp_path, subprocess_
 
 @pytest.mark.slow
 def test_a_folder_left_by_a_stopped_bench_is_replaced_and_nothing_else_is(tmp_path, capsys, held_elsewhere):
-    from my_utils.run.results import Run, release_folder
+    from my_utils.run.locks import release_folder
+    from my_utils.run.results import Run
     from my_utils.tools.bench.harness import benchmark_folder
 
     def left(folder, status, benchmark="trainer"):

@@ -33,7 +33,7 @@ def test_token_counter_counts_and_previews_the_first_batches(capsys, monkeypatch
     assert (counter.tokens, counter.padded_tokens) == (7 + 6, 10 + 6)
     [preview] = counter.previews
     fingerprint = preview.pop("fingerprint")
-    assert preview == {"rank": 1, "batch_size": 2, "seq_len": 5, "text": "hello"}
+    assert preview == {"process": 1, "batch_size": 2, "seq_len": 5, "text": "hello"}
     # the whole batch's tokens, not its first example's text: a batch that starts alike still tells apart
     assert capsys.readouterr().out == "[rank 1/2] batch of 2 x 5 tokens on rank 1/2: 'hello'\n"
     other = TokenCounter(pad_collator, tokenizer=CharTokenizer(), preview_batches=1)
@@ -99,12 +99,21 @@ def test_memory_callback_in_one_process():
     memory_cb.on_step_end(None, None, None)
     memory_cb.on_train_end(None, None, None, model=model)
     [mine] = memory_cb.report
-    assert mine["rank"] == 0 and mine["first_step"]["rss"] > 0
+    assert mine["process"] == 0 and mine["first_step"]["rss"] > 0
     assert mine["breakdown"]["weights"] == 4 * (64 + 8)
     assert mine["breakdown"]["gradients"] == 4 * (64 + 8)
     assert mine["breakdown"]["optimizer_states"] == 8 * (64 + 8) + 2 * 4
     assert mine["breakdown"]["saved_activations"] == 4 * 2 * 8  # the input, kept for the weight's gradient
 
+
+
+def test_callbacks_answer_every_trainer_event():
+    """The Trainer calls every event on every callback: one a callback does not define does nothing, and a name
+    that is no event is still missing."""
+    memory_cb, _ = make_callbacks(None, "cpu")
+    assert memory_cb.on_evaluate(None, None, None, metrics={}) is None
+    with pytest.raises(AttributeError):
+        memory_cb.report_path
 
 WORKER = textwrap.dedent("""
     import json, sys
@@ -150,7 +159,7 @@ def test_memory_report_holds_every_rank_on_two_processes(tmp_path, subprocess_en
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
-    assert [r["rank"] for r in result["report"]] == [0, 1]
+    assert [r["process"] for r in result["report"]] == [0, 1]
     weights = [r["breakdown"]["weights"] for r in result["report"]]
     assert weights == [4 * (8 * 8 + 8), 4 * (8 * 16 + 16)]
     assert all(r["end"]["peak_rss"] > 0 and r["first_step"] is not None for r in result["report"])

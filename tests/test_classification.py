@@ -7,7 +7,7 @@ from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
 from my_utils.run.results import Run
 from my_utils.workflows.classification import Config, global_batches, validate
-from my_utils.workflows.classification_table import classification_runs, classification_table
+from my_utils.lessons.classification import classification_runs, classification_table
 
 
 def test_global_batches_are_the_same_for_every_mode_and_cover_epochs():
@@ -36,7 +36,7 @@ def test_a_batch_that_does_not_split_is_refused_before_the_data_is_read():
 
     preset = validate(Config(parallel="pipeline"))
     with pytest.raises(UserError, match="A batch of 10 does not split into 4 equal micro-batches"):
-        resolve(Config(parallel="pipeline", batch_size=10), preset, 2, sentences=None)
+        resolve(Config(parallel="pipeline", local_batch_size=10), preset, 2, sentences=None)
     with pytest.raises(UserError, match="The preset's batch of 16 does not split over 3 processes"):
         resolve(Config(parallel="ddp"), preset, 3, sentences=None)
 
@@ -74,7 +74,7 @@ def test_the_parser_is_made_from_the_config():
 
     cfg = parse_args(["--method", "full", "--rank", "4", "--targets", "query", "--eval-steps", "5"])
     assert (cfg.method, cfg.adapter.rank, cfg.adapter.targets, cfg.eval_steps) == ("full", 4, ("query",), 5)
-    assert cfg.batch_size is None and cfg.adapter.alpha is None  # resolved inside the run, before its folder opens
+    assert cfg.local_batch_size is None and cfg.adapter.alpha is None  # resolved inside the run, before its folder opens
 
 
 def _nulls(value, path=""):
@@ -98,10 +98,11 @@ def test_run_json_records_every_default_resolved(tmp_path, subprocess_env):
     assert run["run"]["status"] == "complete"
     # null only where it means "none": no adapter file (LoRA from its flags), the resolved config in "peft"
     assert _nulls(config) == ["adapter.adapter_config"], _nulls(config)
-    assert config["adapter"]["peft"]["peft_type"] == "LORA" and config["adapter"]["peft"]["r"] == config["adapter"]["rank"]
-    assert config["batch_size"] == 16 and config["learning_rate"] == 6e-3 and config["num_processes"] == 1
-    assert config["adapter"]["alpha"] == 16 and config["adapter"]["targets"] == ["query", "value"]
-    assert 0 < config["max_length"] <= 128 and run["summary"]["effective_batch"] == 16
+    peft = config["adapter"]["peft"]  # the adapter once: peft's config, the flags that set it not again
+    assert set(config["adapter"]) == {"adapter_config", "peft"} and peft["peft_type"] == "LORA" and peft["r"] == 8
+    assert config["local_batch_size"] == 16 and config["learning_rate"] == 6e-3 and config["num_processes"] == 1
+    assert peft["lora_alpha"] == 16 and peft["target_modules"] == ["query", "value"]
+    assert 0 < config["max_length"] <= 128 and run["summary"]["global_batch_size"] == 16
 
 
 @pytest.mark.slow

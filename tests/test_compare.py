@@ -21,7 +21,9 @@ def fake_run(path, *, processes=1, samples_per_s=10.0, method="lora", rank=8, ve
              losses=(2.0, 1.5, 1.2), finish=True, global_batch=8):
     """A results folder shaped like the LoRA workflow's, with ``processes`` ranks of memory figures, each process
     taking its share of ``global_batch``."""
-    config = {"preset": "tiny", "method": method, "rank": rank, "batch_size": global_batch // processes,
+    adapter = {"adapter_config": None, "peft": {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                "target_modules": ["c_attn"]}} if rank else None
+    config = {"preset": "tiny", "method": method, "adapter": adapter, "batch_size": global_batch // processes,
               "num_processes": processes, "output_dir": str(path)}
     # each run's own process, as a workflow's (runs that share one are marked: a test of its own)
     fields = {"world_size": processes, "backend": "gloo" if processes > 1 else None, "devices": CPU,
@@ -34,10 +36,10 @@ def fake_run(path, *, processes=1, samples_per_s=10.0, method="lora", rank=8, ve
         run.log_metrics({"step": step, "loss": loss, "learning_rate": 1e-3})
     if not finish:
         return run
-    memory = [{"rank": r, "first_step": {"device": "cpu", "peak_allocated": None, "peak_rss": 300 << 20},
+    memory = [{"process": r, "first_step": {"device": "cpu", "peak_allocated": None, "peak_rss": 300 << 20},
                "end": {"device": "cpu", "peak_allocated": None, "peak_rss": (400 + r) << 20}} for r in range(processes)]
     run.finish({
-        "workflow": "lora", "preset": "tiny", "method": method, "rank": rank, "world_size": processes,
+        "workflow": "lora", "preset": "tiny", "method": method, "world_size": processes,
         "batch_size_per_process": global_batch // processes, "grad_accum": 1, "effective_batch": global_batch,
         "learning_rate": 1e-3,
         "lr_scaling": "none", "steps": len(losses), "train_loss_first": losses[0], "train_loss_final": losses[-1],
@@ -123,7 +125,7 @@ def test_memory_batch_and_quality_tables(results):
     assert [(r[0], r[2]) for r in memory.rows if r[0] == "lora_x2"] == [("lora_x2", "0"), ("lora_x2", "1")]
     assert {r[memory.header.index("peak")] for r in memory.rows if r[0] == "lora_x2"} == {"400.0 MiB", "401.0 MiB"}
     batch = table(c, "Batch and learning rate")
-    assert {r[0]: r[batch.header.index("effective batch")] for r in batch.rows}["lora_x2"] == "8"
+    assert {r[0]: r[batch.header.index("global batch")] for r in batch.rows}["lora_x2"] == "8"
     quality = table(c, "Quality")
     assert quality.rows[0][quality.header.index("exact match")] == "0.10 -> 0.50"
 
@@ -145,7 +147,7 @@ def test_the_reference_comparison_fits_a_terminal_and_its_plots_stay_readable(tm
     import struct
 
     from my_utils.core.plots import LEGEND_ENTRIES, loss_panels
-    from my_utils.run.results import REPO_ROOT
+    from my_utils.core.paths import REPO_ROOT
 
     folders = sorted((REPO_ROOT / "runs" / "reference").iterdir())
     compare.main([*map(str, folders), "--output-dir", str(tmp_path / "out")])

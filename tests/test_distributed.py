@@ -50,11 +50,11 @@ def _max_difference(a, b):
 def test_ddp_equals_one_process_with_the_global_batch(tmp_path, subprocess_env):
     steps = ["--max-steps", "3", "--save-model", "--optimizer", "sgd", "--learning-rate", "0.1"]
     ddp, big, accumulated = tmp_path / "ddp_2x2", tmp_path / "one_1x4", tmp_path / "accum_2x2"
-    _run([*_torchrun(2, "--standalone"), "-m", "my_utils.workflows.ddp", *TINY, *steps, "--batch-size", "2",
+    _run([*_torchrun(2, "--standalone"), "-m", "my_utils.workflows.ddp", *TINY, *steps, "--local-batch-size", "2",
           "--output-dir", ddp], subprocess_env)
     single = [sys.executable, "-m", "my_utils.workflows.ddp", *TINY, *steps]
-    _run([*single, "--batch-size", "4", "--output-dir", big], subprocess_env)
-    _run([*single, "--batch-size", "2", "--grad-accum", "2", "--output-dir", accumulated], subprocess_env)
+    _run([*single, "--local-batch-size", "4", "--output-dir", big], subprocess_env)
+    _run([*single, "--local-batch-size", "2", "--grad-accum", "2", "--output-dir", accumulated], subprocess_env)
 
     assert [w["world_size"] for w in _workers(ddp)] == [2, 2]
     assert [w["world_size"] for w in _workers(big)] == [1]
@@ -83,7 +83,7 @@ def test_two_machines_on_localhost(tmp_path, subprocess_env):
         subprocess.Popen([str(c) for c in [*_torchrun(1, "--nnodes", "2", "--node_rank", str(rank), "--master_addr",
                                                        "127.0.0.1", "--master_port", str(port)),
                                            "-m", "my_utils.workflows.ddp", *TINY, "--max-steps", "2",
-                                           "--batch-size", "2", "--output-dir", run_dir]],
+                                           "--local-batch-size", "2", "--output-dir", run_dir]],
                          env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for rank in (0, 1)
     ]
@@ -91,7 +91,7 @@ def test_two_machines_on_localhost(tmp_path, subprocess_env):
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     workers = _workers(run_dir)
     assert [w["world_size"] for w in workers] == [2, 2]
-    assert [(w["rank"], w["node_rank"], w["local_rank"]) for w in workers] == [(0, 0, 0), (1, 1, 0)]
+    assert [(w["process"], w["node_rank"], w["local_rank"]) for w in workers] == [(0, 0, 0), (1, 1, 0)]
     assert all(w["device_map"] == {"": per_rank_device(w["local_rank"])} for w in workers)
     assert all(w["model_device"] == per_rank_device(w["local_rank"]) for w in workers)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -102,7 +102,7 @@ def _notebook_launcher(module, args_dir):
     code = textwrap.dedent(f"""
         from my_utils.run.launch import launch
         from {module} import Config, train
-        launch(train, Config(preset="tiny", max_length=32, batch_size=2, max_steps=2,
+        launch(train, Config(preset="tiny", max_length=32, local_batch_size=2, max_steps=2,
                              output_dir={str(args_dir)!r}, num_processes=2), num_processes=2)
     """)
     return [sys.executable, "-c", code]
@@ -123,7 +123,7 @@ def test_every_worker_sees_the_world_size_asked_for(launcher, module, tmp_path, 
     from my_utils.run.launch import accelerate_command
 
     run_dir = tmp_path / "run"
-    args = [*TINY, "--batch-size", "2", "--max-steps", "2", "--output-dir", run_dir]
+    args = [*TINY, "--local-batch-size", "2", "--max-steps", "2", "--output-dir", run_dir]
     cmd = {
         "notebook_launcher": lambda: _notebook_launcher(module, run_dir),
         "accelerate": lambda: accelerate_command(module, args, num_processes=2),
@@ -132,10 +132,10 @@ def test_every_worker_sees_the_world_size_asked_for(launcher, module, tmp_path, 
     _run(cmd, subprocess_env)
     workers = _workers(run_dir)
     assert [w["world_size"] for w in workers] == [2, 2], workers
-    assert [w["rank"] for w in workers] == [0, 1] and {w["backend"] for w in workers} == {"gloo"}
+    assert [w["process"] for w in workers] == [0, 1] and {w["backend"] for w in workers} == {"gloo"}
     assert len({w["pid"] for w in workers}) == 2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["effective_batch"] == 4 and summary["tokens_per_s"] > 0
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 4 and summary["tokens_per_s"] > 0
 
 
 @pytest.mark.slow
@@ -143,7 +143,7 @@ def test_data_parallel_runs_in_one_process_and_refuses_several(tmp_path, subproc
     from my_utils.run.launch import accelerate_command
 
     one = tmp_path / "one"
-    _run([sys.executable, "-m", "my_utils.workflows.data_parallel", *TINY, "--batch-size", "4", "--max-steps", "3",
+    _run([sys.executable, "-m", "my_utils.workflows.data_parallel", *TINY, "--global-batch-size", "4", "--max-steps", "3",
           "--output-dir", one], subprocess_env)
     summary = json.loads((one / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["devices_used"] == ["cpu"] and summary["samples_per_s"] > 0
@@ -166,8 +166,8 @@ def test_data_parallel_split_and_refusal():
 def test_ddp_config_errors_are_one_sentence():
     from my_utils.workflows.ddp import Config, validate
 
-    with pytest.raises(UserError, match="--batch-size must be a positive integer"):
-        validate(Config(batch_size=0))
+    with pytest.raises(UserError, match="--local-batch-size must be a positive integer"):
+        validate(Config(local_batch_size=0))
     with pytest.raises(UserError, match="--untimed-steps must be at least 0 and below --max-steps"):
         validate(Config(max_steps=2, untimed_steps=2))
     with pytest.raises(UserError, match="Unknown learning-rate scaling"):
@@ -177,7 +177,7 @@ def test_ddp_config_errors_are_one_sentence():
 @pytest.mark.slow
 def test_a_batch_larger_than_the_data_stops_before_writing(tmp_path, subprocess_env):
     target = tmp_path / "never"
-    out = _run([sys.executable, "-m", "my_utils.workflows.ddp", *TINY, "--batch-size", "100000", "--output-dir",
+    out = _run([sys.executable, "-m", "my_utils.workflows.ddp", *TINY, "--local-batch-size", "100000", "--output-dir",
                 target], subprocess_env, expect_ok=False)
     assert out.returncode == 2 and "fewer than one global batch of 100000" in out.stderr
     assert not target.exists()

@@ -63,6 +63,9 @@ def _machines(ip, port=29500, **more):
     (_machines("127.0.0.1"), 2, "--machine-rank must be from 0 to 1"),
     (_machines("127.0.0.1"), 1, "is a loopback address, which every machine takes for itself"),
     ({"num_machines": 1}, 0, "is a config for one machine"),
+    (_machines("0.0.0.0"), 0, "is an unspecified, broadcast or multicast address"),  # binds here, reaches nothing
+    (_machines("0.0.0.0"), 1, "is an unspecified, broadcast or multicast address"),
+    (_machines("255.255.255.255"), 1, "is an unspecified, broadcast or multicast address"),
 ])
 def test_a_rendezvous_that_cannot_work_is_one_sentence(settings, rank, message):
     with pytest.raises(UserError, match=message):

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from my_utils import UserError
+from my_utils.core.presets import PRESETS
 from my_utils.run.results import Run
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -65,7 +66,7 @@ def outcome(call, capsys) -> None:
         one_sentence(said[0])
 
 
-LORA_FLAGS = ["--rank", "--alpha", "--dropout", "--batch-size", "--max-steps", "--max-length", "--learning-rate",
+LORA_FLAGS = ["--rank", "--alpha", "--dropout", "--local-batch-size", "--max-steps", "--max-length", "--learning-rate",
               "--seed", "--eval-rows", "--timeout-s", "--grad-accum", "--logging-steps", "--save-steps",
               "--max-new-tokens", "--targets"]
 
@@ -93,7 +94,7 @@ def test_the_lora_workflows_options(world, capsys, data):
 def test_the_planners_options(world, capsys, data):
     from my_utils.tools import planner
 
-    argv = ["--preset", data.draw(st.sampled_from(["tiny", "gpt2", "opt-350m", "smollm2-135m", "tinyy", ""]))]
+    argv = ["--preset", data.draw(st.sampled_from([*PRESETS, "tinyy", ""]))]
     for flag in data.draw(st.lists(st.sampled_from(["--rank", "--batch-size", "--max-length", "--processes", "--zero",
                                                     "--memory", "--alpha", "--dropout"]), max_size=3, unique=True)):
         argv += [flag, data.draw(NUMBERS)]

@@ -14,7 +14,8 @@ import subprocess
 
 import pytest
 
-from my_utils.run.launch import REPO_ROOT, accelerate_command, clean_env
+from my_utils.core.paths import REPO_ROOT
+from my_utils.run.launch import accelerate_command, clean_env
 
 
 def _gpus() -> int:
@@ -25,7 +26,7 @@ def _gpus() -> int:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow, pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")]
 two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs 2 or more GPUs")
-TINY = ["--preset", "tiny", "--max-steps", "2", "--batch-size", "2"]
+TINY = ["--preset", "tiny", "--max-steps", "2", "--local-batch-size", "2"]
 
 
 def _launch(module: str, config: str, run_dir, *extra, processes: int = 2) -> list[dict]:

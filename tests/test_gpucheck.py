@@ -2,13 +2,16 @@
 (every part that can run on a CPU runs; the rest is skipped with its reason), checks that fail when their figure
 says so, and bad input."""
 
+import hashlib
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from my_utils.run.launch import REPO_ROOT
+from my_utils import UserError
+from my_utils.core.paths import REPO_ROOT
 from my_utils.tools import gpucheck
 
 pytestmark = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="describes a machine without CUDA")
@@ -57,6 +60,30 @@ def test_quick_run_on_a_cpu_runs_what_it_can_and_says_why_not_the_rest(tmp_path,
     again = json.loads((out / "summary.json").read_text())
     assert again["checks"] == summary["checks"] and again["parts"] == summary["parts"]
     assert again["collected_again"]["at"] and "commit" in again["collected_again"]
+
+
+def test_a_check_that_ran_nothing_fails_in_one_sentence(tmp_path, capsys):
+    out = tmp_path / "check"
+    with pytest.raises(UserError) as e:
+        gpucheck.main(["--quick", "--budget-s", "1", "--output-dir", str(out)])
+    assert str(e.value).startswith("The GPU check ran none of its ") and "so it checked nothing" in str(e.value)
+    assert "out of time (--budget-s)" in str(e.value) and str(e.value).count(". ") == 0
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+
+
+def _files(folder):
+    """Every file under ``folder``: its bytes' hash and its modification time."""
+    return {p.relative_to(folder): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_collect_with_dry_run_writes_nothing(tmp_path, capsys):
+    folder = tmp_path / "gpu_x1"
+    shutil.copytree(REPO_ROOT / "runs" / "reference" / "gpu_x1", folder)
+    before = _files(folder)
+    gpucheck.main(["--collect", str(folder), "--dry-run"])
+    assert "checks:" in capsys.readouterr().out
+    assert _files(folder) == before
 
 
 def test_checks_fail_when_their_figures_say_so():

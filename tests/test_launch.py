@@ -250,7 +250,7 @@ def test_more_processes_than_cores_are_refused_before_the_group_forms(monkeypatc
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setattr(launch, "max_processes", lambda: 2)
-    monkeypatch.setattr(launch, "check_world_size", lambda *a, **k: pytest.fail("the group must not form"))
+    monkeypatch.setattr(lifecycle, "check_world_size", lambda *a, **k: pytest.fail("the group must not form"))
     with pytest.raises(UserError, match="8 processes asked for but this machine has 2"):
         lifecycle.join_world(None)
 

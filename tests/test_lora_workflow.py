@@ -9,7 +9,9 @@ import pytest
 
 from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
-from my_utils.run.launch import REPO_ROOT, accelerate_command
+from my_utils.core.paths import REPO_ROOT
+from my_utils.core.records import adapter_of, label_of
+from my_utils.run.launch import accelerate_command
 from my_utils.run.results import load_run
 from my_utils.workflows import lora
 
@@ -23,7 +25,7 @@ def test_parse_args_defaults_and_one_line_quantize_switch():
         "4bit", AdapterSpec(rank=4, targets=("c_attn",), dora=True), 3, "somewhere")
 
 
-RESOLVED = ("batch_size", "max_steps", "max_length", "learning_rate", "lr_scheduler", "mixed_precision",
+RESOLVED = ("local_batch_size", "max_steps", "max_length", "learning_rate", "lr_scheduler", "mixed_precision",
             "num_processes")
 
 
@@ -36,7 +38,7 @@ def test_resolve_settles_every_default_before_the_folder_opens():
     assert cfg.adapter == AdapterSpec(rank=4, alpha=8, targets=tuple(preset.lora_targets), peft={
         "peft_type": "LORA", "bias": "none", "r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": False,
         "use_dora": False, "target_modules": list(preset.lora_targets)})
-    assert (cfg.batch_size, cfg.learning_rate, cfg.num_processes) == (preset.batch_size, preset.learning_rate, 2)
+    assert (cfg.local_batch_size, cfg.learning_rate, cfg.num_processes) == (preset.batch_size, preset.learning_rate, 2)
     assert lora.resolve(cfg, preset, world_size=2) == cfg, "resolving twice changes nothing (resume compares them)"
     full = lora.resolve(lora.Config(method="full"), preset, world_size=1)
     assert full.adapter is None and full.learning_rate == preset.full_learning_rate  # full fine-tuning: no adapter
@@ -90,14 +92,15 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, tracked_losse
     assert run["launch"]["launcher"].startswith("ACCELERATE_USE_CPU=1 OMP_NUM_THREADS=1 accelerate launch "
                                                 "--config_file "), run["launch"]
     assert "-m my_utils.workflows.lora --preset tiny" in run["launch"]["launcher"]
-    assert summary["world_size"] == 2 and summary["effective_batch"] == 2 * summary["batch_size_per_process"]
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 2 * summary["local_batch_size"]
     assert run["config"]["chunked_loss"] is True and summary["chunked_loss"] is True  # on by default, recorded
-    assert [m["rank"] for m in summary["memory"]] == [0, 1]
+    assert [m["process"] for m in summary["memory"]] == [0, 1]
     for m in summary["memory"]:
         assert m["first_step"]["rss"] > 0 and m["end"]["peak_rss"] >= m["end"]["rss"]
         assert m["breakdown"]["optimizer_states"] >= 2 * 4 * summary["trainable_params"]
         assert m["breakdown"]["gradients"] == 4 * summary["trainable_params"]
-    assert [b["rank"] for b in summary["first_batches"]] == [0, 1]
+    assert [b["process"] for b in summary["first_batches"]] == [0, 1]
+    _check_each_fact_once(out_dir)
     assert summary["first_batches"][0]["fingerprint"] != summary["first_batches"][1]["fingerprint"]
     assert "[rank 1/2] batch of 16 x" in proc.stdout
     assert 0 <= summary["similarity_after"] <= 1 and summary["exact_match_after"] is not None
@@ -106,7 +109,8 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, tracked_losse
     tensorboard, logged = tracked_losses(out_dir)  # each metrics line went to TensorBoard as well
     assert len(logged) == 3 and tensorboard == pytest.approx(logged)
     if quantize == "4bit":
-        assert summary["method"] == "qlora-4bit"
+        assert summary["method"] == "lora" and run["config"]["quantize"] == "4bit"  # quantization: a fact apart
+        assert label_of(run, summary) == "qlora-4bit"
         assert summary["quantization"] == {"bits": 4, "type": "nf4", "double_quant": True,
                                            "compute_dtype": "float32"}
         # 4-bit weights: well under the 4 bytes per parameter of the float32 model
@@ -116,6 +120,15 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, tracked_losse
         assert summary["memory"][0]["breakdown"]["weights"] >= 4 * summary["total_params"]
 
 
+def _check_each_fact_once(out_dir):
+    """The records of a LoRA run (run.json, summary.json, metrics.jsonl) state the adapter's rank once, as peft's
+    ``r``, and name no process ``rank``."""
+    records = [(out_dir / name).read_text(encoding="utf-8") for name in ("run.json", "summary.json", "metrics.jsonl")]
+    assert sum(text.count('"r":') for text in records) == 1
+    assert sum(text.count('"lora_alpha":') for text in records) == 1
+    assert not any('"rank":' in text or '"alpha":' in text for text in records)
+
+
 def _check_adapter_folder_stands_alone(out_dir, run, summary):
     """The adapter folder loads with peft and transformers alone, and its card says what trained it."""
     from peft import AutoPeftModelForCausalLM
@@ -123,8 +136,9 @@ def _check_adapter_folder_stands_alone(out_dir, run, summary):
 
     adapter_dir = out_dir / "adapter"
     card = (adapter_dir / "README.md").read_text(encoding="utf-8")
-    for fact in (f"| method | {summary['method']} |", f"| rank, alpha | {summary['rank']}, {summary['alpha']} |",
-                 f"| targets | {', '.join(summary['targets'])} |", f"| steps | {summary['steps']} of",
+    peft = adapter_of(run)
+    for fact in (f"| method | {label_of(run, summary)} |", f"| rank, alpha | {peft['r']}, {peft['lora_alpha']} |",
+                 f"| targets | {', '.join(peft['target_modules'])} |", f"| steps | {summary['steps']} of",
                  f"| held-out loss | {summary['eval_loss_before']:.4g} -> {summary['eval_loss']:.4g} |",
                  (run.get("launch") or {}).get("launcher") or " ".join(run["command"]), run["commit"][:12],
                  "| base model | the `tiny` preset's model"):  # a preset travels; the clone's path is only a note
@@ -132,7 +146,7 @@ def _check_adapter_folder_stands_alone(out_dir, run, summary):
     assert "base_model:" not in card.split("---")[1], "no local path in the card's front matter"
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir)  # the base named in adapter_config.json
-    assert tokenizer.eos_token is not None and model.peft_config["default"].r == summary["rank"]
+    assert tokenizer.eos_token is not None and model.peft_config["default"].r == peft["r"]
 
 
 @pytest.mark.parametrize("cuda, cpu_flags, quantize, expected", [
@@ -145,11 +159,11 @@ def test_auto_mixed_precision_is_bf16_only_where_faster(monkeypatch, cuda, cpu_f
     import torch
 
     from my_utils.core import devices
-    from my_utils.run import launch
+    from my_utils.workflows import lora
     from my_utils.workflows.lora import Config, default_mixed_precision, resolve, validate
 
     monkeypatch.setattr(devices, "cuda_available", lambda: cuda)
-    monkeypatch.setattr(launch, "is_cpu_only", lambda: not cuda)
+    monkeypatch.setattr(lora, "is_cpu_only", lambda: not cuda)
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         monkeypatch.setattr(torch.cpu, name, lambda flag=cpu_flags.get(name, False): flag, raising=False)
     assert default_mixed_precision(quantize) == expected
@@ -169,11 +183,11 @@ def test_two_processes_of_8_and_4_accumulation_steps_of_4_train_like_one_process
               "--skip-generation-eval", "--mixed-precision", "no"]
     one, two, accumulated = tmp_path / "x1", tmp_path / "x2", tmp_path / "accumulated"
     single = [sys.executable, "-m", "my_utils.workflows.lora", *common]
-    subprocess.run([*single, "--batch-size", "16", "--output-dir", str(one)], env=subprocess_env, cwd=REPO_ROOT,
+    subprocess.run([*single, "--local-batch-size", "16", "--output-dir", str(one)], env=subprocess_env, cwd=REPO_ROOT,
                    check=True, capture_output=True)
-    subprocess.run([*single, "--batch-size", "4", "--grad-accum", "4", "--output-dir", str(accumulated)],
+    subprocess.run([*single, "--local-batch-size", "4", "--grad-accum", "4", "--output-dir", str(accumulated)],
                    env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True)
-    cmd = accelerate_command("my_utils.workflows.lora", [*common, "--batch-size", "8", "--output-dir", two],
+    cmd = accelerate_command("my_utils.workflows.lora", [*common, "--local-batch-size", "8", "--output-dir", two],
                              num_processes=2, config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
     subprocess.run(cmd, env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True)
 
@@ -203,19 +217,18 @@ def test_a_dora_run_trains_from_its_config_file_and_records_dora(tmp_path, subpr
 
     out = tmp_path / "dora"
     proc = subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", "--preset", "tiny", "--adapter-config",
-                           "configs/peft/dora.json", "--max-steps", "2", "--logging-steps", "1", "--batch-size", "4",
+                           "configs/peft/dora.json", "--max-steps", "2", "--logging-steps", "1", "--local-batch-size", "4",
                            "--eval-rows", "4", "--skip-generation-eval", "--output-dir", str(out)],
                           env=subprocess_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = load_run(out)
     config, summary = run["run"]["config"], run["summary"]
     assert [key for key in RESOLVED if config[key] is None] == [] and config["mixed_precision"] != "auto"
-    assert config["adapter"] == {"rank": 8, "alpha": 16, "targets": ["c_attn"], "dropout": 0.0, "rslora": False,
-                                 "dora": True, "adapter_config": "configs/peft/dora.json", "peft": {
-                                     "peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
-                                     "target_modules": ["c_attn"], "bias": "none", "use_dora": True,
-                                     "use_rslora": False}}
-    assert summary["adapter"] == config["adapter"] and summary["dora"] is True and summary["method"] == "lora"
+    assert config["adapter"] == {"adapter_config": "configs/peft/dora.json", "peft": {
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["c_attn"],
+        "bias": "none", "use_dora": True, "use_rslora": False}}
+    assert "adapter" not in summary and summary["method"] == "lora" and label_of(run["run"], summary) == "dora"
+    _check_each_fact_once(out)
     assert summary["steps"] == 2 and len([m for m in run["metrics"] if "loss" in m]) == 2
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["use_dora"] is True
     with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as f:

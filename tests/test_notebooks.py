@@ -1,5 +1,5 @@
-"""Every numbered notebook executes top to bottom on the tiny preset; each ends with cells that assert what
-its lesson claims, so a notebook whose claim stops holding fails here."""
+"""Every numbered notebook executes top to bottom on the tiny preset; its cells tagged ``check``, each under the
+cell whose claim it asserts, fail when a claim stops holding, and its last cell records the claims that held."""
 
 import re
 
@@ -8,8 +8,9 @@ import pytest
 from my_utils.tools.demo import declared_parameters, execute_notebook, notebooks
 
 
-# What a lesson's closing checks must catch: code run in the lesson's kernel after it, each perturbing the figure a
-# claim rests on (as if the claim were false) before the closing cell runs again.
+# What a lesson's check cells must catch: code run in the lesson's kernel after it, each perturbing the figure a
+# claim rests on (as if the claim were false) before the check cells run again, in order; the one whose assert fails
+# is the check of that claim.
 MUTATIONS = {
     "01_data_parallel": ["gradient_gap = one_copy_gap  # the copies' gradients not summed"],
     "02_ddp": ["runs[list(runs)[1]]['metrics'] = [dict(m, loss=m['loss'] * (1 + 1e-4)) for m in "
@@ -82,14 +83,23 @@ MUTATIONS = {
     "14_compare": [
         "part_ratios.append(1.3)  # a part the planner misses by 30%",
         "ratios = [0.0 for _ in ratios]  # a planner that predicts no tensors at all",
-        "two = dict(two, effective_batch=2 * one['effective_batch'])  # a pair of two global batches",
+        "two = dict(two, global_batch_size=2 * one['global_batch_size'])  # a pair of two global batches",
     ],
 }
 
 
-def mutation_cell(closing: str, mutation: str) -> str:
-    """A cell that perturbs the lesson's state with ``mutation``, runs its closing cell again, prints whether the
-    checks caught it, and restores the state."""
+CHECK_TAG = "check"
+
+
+def check_cells(nb) -> list[tuple[int, str]]:
+    """The code cells of a notebook tagged ``check``: (index in the notebook, source) each."""
+    return [(i, c.source) for i, c in enumerate(nb.cells)
+            if c.cell_type == "code" and CHECK_TAG in c.metadata.get("tags", [])]
+
+
+def rerun_cell(checks: list[tuple[int, str]], mutation: str) -> str:
+    """A cell that perturbs the lesson's state with ``mutation`` (none: ``""``), runs its check cells again in
+    order, prints a verdict line (which check cell's assert failed, or that none did), and restores the state."""
     return "\n".join([
         "import copy as _copy",
         "_saved = {}",
@@ -100,13 +110,27 @@ def mutation_cell(closing: str, mutation: str) -> str:
         "        pass",
         "try:",
         f"    exec({mutation!r}, globals())",
-        f"    exec({closing!r}, globals())",
-        f"    print({'MUTATION SURVIVED: ' + mutation!r}, flush=True)",
+        f"    for _cell, _check in {checks!r}:",
+        "        exec(_check, globals())",
+        f"    print({'VERDICT survived: ' + mutation!r}, flush=True)",
         "except AssertionError:",
-        f"    print({'MUTATION CAUGHT: ' + mutation!r}, flush=True)",
+        f"    print(f'VERDICT caught by cell {{_cell}}: ' + {mutation!r}, flush=True)",
         "finally:",
         "    globals().update(_saved)",
     ])
+
+
+VERDICT = re.compile(r"VERDICT (survived|caught by cell (\d+)): ?(.*)")
+
+
+def test_a_rerun_names_the_check_cell_a_mutation_fails_and_restores_the_state(capsys):
+    checks = [(2, "assert x == 1"), (5, "y = x + 1\nassert y == 2")]
+    for mutation, verdict in [("", "VERDICT survived: "), ("x = 3", "VERDICT caught by cell 2: x = 3"),
+                              ("x = 1.0", "VERDICT survived: x = 1.0")]:
+        state = {"x": 1}
+        exec(rerun_cell(checks, mutation), state)
+        assert capsys.readouterr().out.strip() == verdict.strip() and repr(state["x"]) == "1", (mutation, state["x"])
+    assert VERDICT.fullmatch("VERDICT caught by cell 2: x = 3").groups() == ("caught by cell 2", "2", "x = 3")
 
 
 @pytest.mark.slow
@@ -115,17 +139,22 @@ def test_notebook_executes_and_its_claims_hold(notebook, tmp_path):
     import nbformat
 
     out = tmp_path / notebook.name
-    closing = nbformat.read(notebook, as_version=4).cells[-1].source
+    checks = check_cells(nbformat.read(notebook, as_version=4))
     mutations = MUTATIONS.get(notebook.stem, [])
-    execute_notebook(notebook, out, run_root=tmp_path / "runs", timeout=600,
-                     then=[mutation_cell(closing, m) for m in mutations])
+    # first the check cells again as they are: in the lesson's final state they still pass, so a mutation's failure
+    # below is the mutation's doing
+    then = [rerun_cell(checks, m) for m in ["", *mutations]]
+    execute_notebook(notebook, out, run_root=tmp_path / "runs", timeout=600, then=then)
     executed = nbformat.read(out, as_version=4)
     # a cell's stream text joined first: under load one print can reach the notebook in several outputs
-    verdicts = [line.strip() for c in executed.cells[len(executed.cells) - len(mutations):]
+    verdicts = [VERDICT.fullmatch(line.strip()).groups() for c in executed.cells[len(executed.cells) - len(then):]
                 for line in "".join(o.text for o in c.outputs if o.output_type == "stream").splitlines()
-                if "MUTATION" in line]
-    assert verdicts == [f"MUTATION CAUGHT: {m}" for m in mutations], verdicts
-    executed.cells = executed.cells[:len(executed.cells) - len(mutations)]
+                if line.startswith("VERDICT")]
+    assert [mutation for _, _, mutation in verdicts] == ["", *mutations], verdicts
+    assert verdicts[0][0] == "survived", f"the check cells fail in the lesson's final state: {verdicts[0]}"
+    survived = [mutation for outcome, _, mutation in verdicts[1:] if outcome == "survived"]
+    assert not survived, f"mutations no check cell caught: {survived}"
+    executed.cells = executed.cells[:len(executed.cells) - len(then)]
     unexplained = unexplained_warnings(executed)
     assert not unexplained, f"warnings the lesson does not explain (quote them in its text): {unexplained}"
     noisy = noisy_outputs(executed)
@@ -191,7 +220,23 @@ def test_notebooks_are_committed_without_outputs():
         nb = nbformat.read(path, as_version=4)
         dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
         assert not dirty, f"{path.name} has outputs in cells {dirty}; strip them before committing"
-        assert nb.cells[-1].cell_type == "code" and "assert" in nb.cells[-1].source, f"{path.name} must end with checks"
+
+
+def test_a_lessons_asserts_sit_in_its_check_cells_and_its_last_cell_records_the_claims():
+    """The harness re-runs only the cells tagged ``check``: an assert elsewhere would go unmutated; the claims are
+    recorded last, so that the file exists only when every check cell before it passed."""
+    import nbformat
+
+    for path in notebooks():
+        nb = nbformat.read(path, as_version=4)
+        checks = [source for _, source in check_cells(nb)]
+        assert checks and all(re.search(r"^\s*assert\b", s, re.M) for s in checks), f"{path.name}: check cells assert"
+        untagged = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source not in checks
+                    and re.search(r"^\s*assert\b", c.source, re.M)]
+        assert not untagged, f"{path.name}: cells {untagged} assert a claim but are not tagged {CHECK_TAG!r}"
+        last = nb.cells[-1]
+        assert last.cell_type == "code" and "record_claims(" in last.source and CHECK_TAG not in last.metadata.get(
+            "tags", []), f"{path.name} must end with the cell that records its claims"
 
 
 def test_every_region_a_notebook_shows_exists():

@@ -9,13 +9,15 @@ import pytest
 
 from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
-from my_utils.run.results import REPO_ROOT, load_run
-from my_utils.tools.peft_methods import TRAINING_PARAMS, training_params
+from my_utils.core.paths import REPO_ROOT
+from my_utils.core.records import label_of
+from my_utils.run.results import load_run
+from my_utils.lessons.peft_methods import TRAINING_PARAMS, training_params
 from my_utils.workflows import lora
 
 PEFT = REPO_ROOT / "configs" / "peft"
 SHIPPED = sorted(f for f in PEFT.glob("*.json") if not f.name.endswith(TRAINING_PARAMS))
-TINY_RUN = ["--preset", "tiny", "--max-steps", "2", "--logging-steps", "1", "--batch-size", "4", "--eval-rows", "4",
+TINY_RUN = ["--preset", "tiny", "--max-steps", "2", "--logging-steps", "1", "--local-batch-size", "4", "--eval-rows", "4",
             "--skip-generation-eval"]
 
 
@@ -80,7 +82,10 @@ def _refusal(argv, capsys) -> str:
     ('{"peft_type": "NOPE"}', [], "names an unknown peft_type 'NOPE'"),
     ('{"peft_type": "IA3", "rank": 4}', [], "sets 'rank', which IA3Config does not have"),
     ('{"peft_type": "IA3", "target_modules": ["q_proj"]}', [], "peft cannot add"),
-    ('{"peft_type": "LORA", "r": 0}', [], "LoRA rank must be a positive integer, got 0"),
+    ('{"peft_type": "LORA", "r": 0}', [], "sets r to 0; it must be a positive whole number"),
+    ('{"peft_type": "PROMPT_TUNING", "num_virtual_tokens": -5}', [],
+     "sets num_virtual_tokens to -5; it must be a positive whole number"),  # torch's traceback, otherwise
+    ('{"peft_type": "LORA", "lora_dropout": -0.5}', [], "sets lora_dropout to -0.5; it must be a finite number, at least 0"),
     ('{"peft_type": "IA3"}', ["--rank", "4"], "--rank sets a LoRA field, but"),
     ('{"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 16}', ["--targets", "c_attn"], "adapts no module"),
     ('{"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 16}', ["--max-length", "250"],
@@ -129,7 +134,7 @@ def test_a_method_added_as_one_json_file_trains_through_the_lora_workflow(tmp_pa
     file.write_text(json.dumps({"peft_type": "FOURIERFT", "n_frequency": 50, "target_modules": ["c_attn"]}))
     out = tmp_path / "run"
     summary = lora.main([*TINY_RUN, "--adapter-config", str(file), "--output-dir", str(out)])
-    assert summary["method"] == "fourierft" and summary["peft_type"] == "FOURIERFT"
+    assert summary["method"] == "lora" and label_of(load_run(out)["run"], summary) == "fourierft"
     assert summary["trainable_params"] == 4 * 50  # 4 blocks' c_attn, n_frequency spectral coefficients each
     assert summary["steps"] == 2 and summary["eval_loss"] < summary["eval_loss_before"]
     recorded = load_run(out)["run"]["config"]["adapter"]
@@ -145,7 +150,7 @@ def test_a_sweep_in_worker_processes_gives_each_cell_the_results_of_its_own_proc
 
     from my_utils.tools.sweep import SweepSpec, run_sweep
 
-    spec = SweepSpec(preset="tiny", args={"max_steps": 3, "batch_size": 4, "eval_rows": 4, "logging_steps": 1,
+    spec = SweepSpec(preset="tiny", args={"max_steps": 3, "local_batch_size": 4, "eval_rows": 4, "logging_steps": 1,
                                           "skip_generation_eval": True},
                      grids=[{"adapter_config": [str(REPO_ROOT / "configs" / "peft" / "ia3.json")],
                              "learning_rate": [0.1]}, {"learning_rate": [0.004]}])

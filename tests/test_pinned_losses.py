@@ -13,7 +13,7 @@ def test_the_tiny_models_losses_are_pinned():
     from my_utils.core.adapters import AdapterSpec
     from my_utils.core.models import add_adapter, build_causal_lm
     from my_utils.core.presets import get_preset
-    from my_utils.workflows.ddp_common import block_dataset
+    from my_utils.core.blocks import block_dataset
 
     preset = get_preset("tiny")
     blocks = block_dataset(preset, 64)[:4]

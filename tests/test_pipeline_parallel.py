@@ -62,7 +62,7 @@ def test_naive_split_runs_one_stage_at_a_time():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from my_utils.workflows.pipeline_parallel import concurrent_time, naive_split_timeline
+    from my_utils.core.pipeline import concurrent_time, naive_split_timeline
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_layer=4, n_embd=32, n_head=2, n_positions=32)).eval()
     device_map = balanced_layer_split(model, ["a", "b"])
@@ -76,7 +76,7 @@ def test_naive_split_runs_one_stage_at_a_time():
 
 
 def test_micro_batches_held_are_counted_from_a_stage_timeline():
-    from my_utils.workflows.pipeline_parallel import peak_in_flight
+    from my_utils.core.pipeline import peak_in_flight
 
     def events(kinds):
         return [{"kind": "forward" if k == "F" else "backward", "start": float(i)} for i, k in enumerate(kinds)]
@@ -88,7 +88,7 @@ def test_micro_batches_held_are_counted_from_a_stage_timeline():
 
 @pytest.mark.parametrize("schedule", ["interleaved 1F1B", "interleaved zero bubble", "zero bubble V"])
 def test_multi_stage_schedules_are_tabled_without_a_process_group(schedule):
-    from my_utils.workflows.pipeline_parallel import action_table
+    from my_utils.core.pipeline import action_table
 
     table, empty = action_table(schedule, processes=2, microbatches=4)
     assert table.splitlines()[0].split() == ["Rank", "0", "Rank", "1"]
@@ -100,7 +100,7 @@ def test_multi_stage_schedules_are_tabled_without_a_process_group(schedule):
 
 
 def test_splitting_the_backward_idles_less_than_interleaved_1f1b_at_the_same_stage_placement():
-    from my_utils.workflows.pipeline_parallel import action_table
+    from my_utils.core.pipeline import action_table
 
     assert action_table("interleaved zero bubble", 2, 4)[1] < action_table("interleaved 1F1B", 2, 4)[1]
 
@@ -110,29 +110,29 @@ def test_the_idle_share_weighs_a_whole_backward_as_two_units():
     the second idle for one unit of the two."""
     from types import SimpleNamespace
 
-    from my_utils.workflows import pipeline_parallel
+    from my_utils.core import pipeline
 
     action = lambda kind: SimpleNamespace(computation_type=SimpleNamespace(name=kind))  # noqa: E731
     order = {0: [action("FULL_BACKWARD")], 1: [action("FORWARD")]}
     schedule = SimpleNamespace(pipeline_order=order)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(pipeline_parallel.MULTI_STAGE_SCHEDULES, "fake", "Fake")
+        patch.setitem(pipeline.MULTI_STAGE_SCHEDULES, "fake", "Fake")
         patch.setattr("torch.distributed.pipelining.schedules.Fake", lambda *a, **k: schedule, raising=False)
         patch.setattr("torch.distributed.pipelining.schedules._format_pipeline_order", lambda o: "", raising=False)
-        assert pipeline_parallel.action_table("fake", processes=2, microbatches=1)[1] == pytest.approx(1 / 4)
+        assert pipeline.action_table("fake", processes=2, microbatches=1)[1] == pytest.approx(1 / 4)
 
 
 def test_bad_pipeline_config_is_refused_before_anything_runs():
     from my_utils.workflows.pipeline_parallel import Config, validate
 
     with pytest.raises(UserError, match="multiple of --microbatches"):
-        validate(Config(batch_size=10, microbatches=4))
+        validate(Config(global_batch_size=10, microbatches=4))
     with pytest.raises(UserError, match="Unknown schedule"):
         validate(Config(schedule="zero-bubble"))
     with pytest.raises(UserError, match="1F1B needs at least one micro-batch per stage"):
-        validate(Config(schedule="1f1b", microbatches=1, batch_size=4, num_processes=2))
+        validate(Config(schedule="1f1b", microbatches=1, global_batch_size=4, num_processes=2))
     with pytest.raises(UserError, match="5 stages for a model of 4 layers"):
-        validate(Config(num_processes=5, batch_size=20, microbatches=5))
+        validate(Config(num_processes=5, global_batch_size=20, microbatches=5))
 
 
 @pytest.mark.slow

@@ -253,30 +253,39 @@ def test_command_line_says_whether_it_fits(capsys):
     assert all(part in out for part in ("saved activations", "backward transient", "DDP gradient buckets"))
 
 
-def test_a_run_is_planned_from_its_summary():
-    """The plan for a run comes from what its summary records: method, quantization, LoRA rank, mixed precision,
-    processes, device, and each rank's first batch; each measured part is set beside its planned one."""
+def test_a_run_is_planned_from_its_records():
+    """The plan for a run comes from what it records: method, quantization, the adapter (run.json's peft config),
+    mixed precision, processes, device, and each process's first batch; each measured part is set beside its planned
+    one."""
     breakdown = {"weights": 1.0, "gradients": 2.0, "optimizer_states": 3.0, "saved_activations": 4.0}
-    adapter = {"rank": 4, "alpha": 8, "targets": ["c_attn"], "dropout": 0.0, "rslora": False, "dora": False}
-    summary = {"workflow": "lora", "preset": "tiny", "method": "qlora-8bit", "adapter": adapter, "world_size": 2,
+    adapter = AdapterSpec(rank=4, targets=("c_attn",)).resolved(())
+    config = {"method": "lora", "quantize": "8bit", "adapter": adapter.record()}
+    summary = {"workflow": "lora", "preset": "tiny", "method": "lora", "world_size": 2,
                "quantization": {"bits": 8}, "mixed_precision": "bf16", "chunked_loss": True,
                "first_batches": [{"batch_size": 8, "seq_len": 40}, {"batch_size": 8, "seq_len": 31}],
                "memory": [{"end": {"device": "cpu"}, "breakdown": breakdown}] * 2}
-    p = planner.plan_for_run(summary, rank=1)
+    run = {"run": {"config": config}, "summary": summary}
+    p = planner.plan_for_run(run, process=1)
     assert (p.method, p.rank, p.dtype, p.batch, p.seq, p.processes) == ("qlora-8bit", 4, "bf16", 8, 31, 2)
     assert p == planner.plan("tiny", "qlora", quantize="8bit", adapter=AdapterSpec(rank=4, targets=("c_attn",)),
                              batch_size=8, max_length=31, processes=2, dtype="bf16", device="cpu")
-    assert planner.plan_for_run({**summary, "chunked_loss": False}, rank=1).chunked_loss is False
-    rows = planner.compare_with_run(summary, rank=1)
+    assert planner.plan_for_run({**run, "summary": {**summary, "chunked_loss": False}}, 1).chunked_loss is False
+    rows = planner.compare_with_run(run, process=1)
     assert [r.component for r in rows] == ["weights", "gradients", "optimizer states", "saved activations"]
     assert [r.measured for r in rows] == [1.0, 2.0, 3.0, 4.0]
     assert [r.predicted for r in rows] == [p.weights, p.gradients, p.optimizer, p.saved_activations]
     assert rows[0].ratio == p.weights  # predicted / measured
-    full = planner.plan_for_run({**summary, "method": "full", "rank": None, "quantization": None,
-                                 "mixed_precision": "no"})
+    full = planner.plan_for_run({"run": {"config": {"method": "full", "quantize": "none", "adapter": None}},
+                                 "summary": {**summary, "method": "full", "quantization": None,
+                                             "mixed_precision": "no"}})
     assert (full.method, full.dtype, full.seq) == ("full", "fp32", 40)
-    with pytest.raises(UserError, match="LoRA-workflow summary"):
-        planner.plan_for_run({"workflow": "ddp"})
+    old = planner.plan_for_run({"run": {"config": {**config, "adapter": {"rank": 4, "alpha": 8, "targets": ["c_attn"],
+                                                                      "dropout": 0.0, "rslora": False,
+                                                                      "dora": False}}},
+                                "summary": {**summary, "method": "qlora-8bit"}}, 1)  # an older folder's records
+    assert old == p
+    with pytest.raises(UserError, match="LoRA-workflow run"):
+        planner.plan_for_run({"run": {}, "summary": {"workflow": "ddp"}})
 
 
 @pytest.mark.parametrize("preset, published", [("gpt2", 124_439_808), ("opt-350m", 331_196_416),
@@ -381,7 +390,7 @@ MEASURED_RUNS = {
     "qlora-8bit": (["--quantize", "8bit"], 1),
     # bf16 autocast, as on a GPU: the 4-bit layers return their fp32 input's dtype, so the MLP's activations stay fp32
     "qlora-4bit-bf16": (["--quantize", "4bit", "--mixed-precision", "bf16"], 1),
-    "lora-ddp-x2": (["--batch-size", "8"], 2),  # DDP, the preset's batch of 16 split over two processes
+    "lora-ddp-x2": (["--local-batch-size", "8"], 2),  # DDP, the preset's batch of 16 split over two processes
 }
 
 
@@ -442,7 +451,8 @@ def test_tensor_parallel_plans_what_each_rank_of_a_split_model_holds():
 
     from my_utils.core.presets import get_preset
     from my_utils.workflows.parallel_2d import simulated_world
-    from my_utils.workflows.tensor_parallel import model_config, parameter_split, split
+    from my_utils.core.splits import model_config
+    from my_utils.workflows.tensor_parallel import parameter_split, split
 
     for tied in (False, True):
         config = model_config(get_preset("tiny"))
@@ -477,3 +487,31 @@ def test_pipeline_plans_hold_what_each_schedule_keeps_in_flight():
         assert sum(p.total_params for p in stages) == arch.total_params + output * arch.tied_embeddings
         assert planner.split_estimate(arch, "full", pp=4, microbatches=8, schedule=schedule, **shape).peak == max(
             p.peak for p in stages), "the plan is the busiest stage's"
+
+
+def test_the_planner_plans_the_model_each_split_workflow_trains_and_refuses_what_it_refuses():
+    """Tensor parallel splits the tiny Llama (not the tiny GPT-2): the plan holds what each rank of the reference run
+    held; a layout a workflow refuses, the planner refuses in the workflow's sentence."""
+    from my_utils.run.results import read_json
+    from my_utils.core.paths import REPO_ROOT
+    from my_utils.workflows import pipeline_parallel, tensor_parallel
+
+    measured = read_json(REPO_ROOT / "runs" / "reference" / "cpu_x2" / "09_tensor_parallel" / "tp" / "summary.json")
+    assert planner.plan("tiny", "full", tp=2).total_params == measured["parameters_local"][0] == 1_009_344
+
+    def refusal(call):
+        with pytest.raises(UserError) as e:
+            call()
+        return str(e.value)
+
+    for preset, processes, sequence_parallel, max_length in (("smollm2-135m", 2, False, 64), ("gpt2", 2, False, 64),
+                                                             ("tiny", 2, True, 63)):
+        said = refusal(lambda: tensor_parallel.validate(tensor_parallel.Config(
+            preset=preset, num_processes=processes, sequence_parallel=sequence_parallel, max_length=max_length)))
+        assert refusal(lambda: planner.plan(preset, "full", tp=processes, sequence_parallel=sequence_parallel,
+                                            max_length=max_length)) == said
+    for stages, batch, microbatches, schedule in ((5, 20, 5, "1f1b"), (2, 4, 1, "1f1b"), (2, 10, 4, "gpipe")):
+        said = refusal(lambda: pipeline_parallel.validate(pipeline_parallel.Config(
+            num_processes=stages, global_batch_size=batch, microbatches=microbatches, schedule=schedule)))
+        assert refusal(lambda: planner.plan("tiny", "full", pp=stages, batch_size=batch, microbatches=microbatches,
+                                            schedule=schedule)) == said

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from my_utils.run.results import REPO_ROOT
+from my_utils.core.paths import REPO_ROOT
 
 LAUNCHERS = ("accelerate launch", "torchrun", "python -m my_utils")
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
@@ -61,6 +61,14 @@ def test_every_page_of_docs_is_linked_from_the_readme_and_its_lines_are_readable
         assert long == [], f"{page.name}: lines over 160 characters: {long}"
 
 
+README_BYTES = 10_240  # the README is the front page: a quick start and the tables; detail lives in docs/
+
+
+def test_the_readme_stays_short():
+    size = len(PAGES[0].read_bytes())
+    assert size <= README_BYTES, f"README.md is {size:,} bytes, over {README_BYTES:,}: move detail to a page of docs/"
+
+
 def test_every_script_the_pages_name_exists_and_its_help_answers():
     import importlib.util
     import inspect
@@ -92,8 +100,7 @@ def test_every_readme_command_names_what_exists(command, tmp_path, monkeypatch):
         if word == "--config_file":
             assert (REPO_ROOT / launcher[i + 1]).is_file(), f"{command}: no config {launcher[i + 1]}"
     if module != "my_utils":  # a workflow: its command line parses and names a known preset
-        cfg = import_module(module).parse_args(args) if hasattr(import_module(module), "parse_args") else \
-            import_module("my_utils.workflows.accelerate_steps.common").parse_args(args, prog=module)
+        cfg = import_module(module).parse_args(args)
         get_preset(cfg.preset)
         return
     tool, options = args[0], args[1:]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from my_utils.run.launch import REPO_ROOT
+from my_utils.core.paths import REPO_ROOT
 from my_utils.run.results import Run, read_json
 from my_utils.tools import bench
 
@@ -77,7 +77,7 @@ def test_readme_section_has_comparison_and_benchmark_tables(tmp_path, monkeypatc
 
 
 def test_the_series_table_reads_the_notebooks_and_the_claims_table_the_reference_run(tmp_path, monkeypatch):
-    from my_utils.run.results import record_claims
+    from my_utils.lessons.notebook import record_claims
 
     update_readme = load_script("update_readme")
     monkeypatch.setattr(update_readme, "DEMO_REFERENCE", REPO_ROOT / "runs" / "x" / "cpu_x2")

@@ -21,12 +21,13 @@ import pytest
 from my_utils import UserError
 from my_utils.run.checkpoints import (CHECKPOINT_MANIFEST, checkpoint_problem, find_resume_checkpoint,
                                       write_checkpoint_manifest)
-from my_utils.run.launch import REPO_ROOT, accelerate_command, is_cpu_only
+from my_utils.core.paths import REPO_ROOT
+from my_utils.run.launch import accelerate_command, is_cpu_only
 from my_utils.run.results import load_run
 from my_utils.tools.compare import load_runs
 from my_utils.workflows.lora import default_mixed_precision
 
-COMMON = ["--preset", "tiny", "--logging-steps", "1", "--batch-size", "4", "--save-steps", "2"]
+COMMON = ["--preset", "tiny", "--logging-steps", "1", "--local-batch-size", "4", "--save-steps", "2"]
 STEPS = 6
 ARGS = [*COMMON, "--max-steps", str(STEPS)]
 # The 1-process runs train 8 steps on 13 rows (3 batches of 4 per epoch), so a resume from step 4 lands in the
@@ -198,7 +199,7 @@ def test_crash_then_resume_passes_over_a_truncated_checkpoint_and_reproduces_the
     assert [(r["from_step"], r["previous_status"], r["set_aside"]) for r in info["resumes"]] == [
         (4, "failed", ["incomplete-checkpoint-6"])]
     assert summary["resumed_from_step"] == 4 and summary["steps"] == ONE_PROCESS_STEPS
-    assert summary["batch_size_per_process"] == 4
+    assert summary["local_batch_size"] == 4
     assert losses(out) == losses(baseline)  # every step, exactly: same data order, RNG and optimizer state
     assert summary["train_loss_first"] == load_run(baseline)["summary"]["train_loss_first"]
 
@@ -396,14 +397,14 @@ def test_auto_batch_size_backs_off_on_out_of_memory(tmp_path):
     # Batches above 5 rows raise torch.OutOfMemoryError: 8 -> 7 -> 6 -> 5 (accelerate takes 90% each time).
     # That other errors go straight through is checked by the 1-process crash above.
     out = tmp_path / "backed_off"
-    proc = lora(["--preset", "tiny", "--max-steps", "2", "--logging-steps", "1", "--batch-size", "8",
+    proc = lora(["--preset", "tiny", "--max-steps", "2", "--logging-steps", "1", "--local-batch-size", "8",
                  "--eval-rows", "8", "--skip-generation-eval", "--auto-batch-size", "--output-dir", out],
                 env_for(tmp_path, COURSE_FAKE_OOM_ABOVE=5))
     assert proc.returncode == 0, tail(proc)
     assert [f"batch of {n} x" in proc.stdout for n in (8, 7, 6, 5)] == [True] * 4
     summary = load_run(out)["summary"]
-    assert (summary["batch_size_requested"], summary["batch_size_per_process"]) == (8, 5)
-    assert summary["effective_batch"] == 5 and summary["first_batches"][0]["batch_size"] == 5
+    assert (summary["local_batch_size_requested"], summary["local_batch_size"]) == (8, 5)
+    assert summary["global_batch_size"] == 5 and summary["first_batches"][0]["batch_size"] == 5
     assert run_info(out)["status"] == "complete" and [s for s, _ in losses(out)] == [1, 2]
 
 
@@ -426,7 +427,7 @@ def test_a_failed_rename_leaves_no_summary_and_compare_ignores_temporary_files(t
     root = tmp_path / "runs"
     out = root / "rename_fails"
     env = with_sitecustomize(env_for(tmp_path), tmp_path / "rename", RENAME_FAILS)
-    proc = lora(["--preset", "tiny", "--max-steps", "2", "--batch-size", "4", "--eval-rows", "8",
+    proc = lora(["--preset", "tiny", "--max-steps", "2", "--local-batch-size", "4", "--eval-rows", "8",
                  "--skip-generation-eval", "--output-dir", out], env)
     assert proc.returncode != 0 and "injected failure between writing and renaming" in proc.stderr
     info = run_info(out)  # rewritten atomically along the way: still whole JSON
@@ -439,3 +440,38 @@ def test_a_failed_rename_leaves_no_summary_and_compare_ignores_temporary_files(t
     complete, other = load_runs(root, one_process["out"])
     assert [r["path"] for r in complete] == [str(one_process["out"])]
     assert [(r["path"], r["reason"]) for r in other] == [(str(out), "failed")]
+
+
+DISK_FULL = """
+    import errno
+
+    import safetensors.torch
+
+    def save_file(tensors, filename, metadata=None):
+        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+
+    safetensors.torch.save_file = save_file
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workflow", ["lora", "sharded_lora"])
+def test_a_full_disk_during_a_save_fails_the_run_in_one_sentence(tmp_path, workflow):
+    """Every safetensors write refused as a full disk refuses it: the run is marked failed, not left running, and
+    every rank ends with one sentence and exit 2."""
+    out = tmp_path / "full"
+    env = with_sitecustomize(env_for(tmp_path), tmp_path / "disk_full", DISK_FULL)
+    if workflow == "lora":
+        proc = lora(["--preset", "tiny", "--max-steps", "2", "--local-batch-size", "4", "--eval-rows", "8",
+                     "--skip-generation-eval", "--output-dir", out], env)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, tail(proc)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               "-m", "my_utils.workflows.sharded_lora", "--preset", "tiny", "--max-steps", "2",
+                               "--output-dir", str(out)], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode != 0, tail(proc)
+    said = [line for line in proc.stderr.splitlines() if "error: The disk is full writing" in line]
+    assert len(said) == 1 and "(No space left on device); free space there" in said[0], tail(proc)
+    info = run_info(out)
+    assert info["status"] == "failed" and "The disk is full writing" in info["error"], info

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from my_utils.run.launch import REPO_ROOT
+from my_utils.core.paths import REPO_ROOT
 
 # adapter dropout on: a resume is exact only if every rank's random-number state comes back with the checkpoint
 ARGS = ["--preset", "tiny", "--max-steps", "6", "--save-steps", "2", "--dropout", "0.1"]
@@ -44,8 +44,10 @@ def test_the_saved_adapter_is_whole_and_gives_the_sharded_models_outputs(uninter
 
     from my_utils.core.adapters import AdapterSpec
     from my_utils.core.models import add_adapter
+    from my_utils.core.blocks import block_dataset
     from my_utils.core.presets import get_preset
-    from my_utils.workflows.ddp_common import block_dataset, build_model
+    from my_utils.core.records import adapter_of
+    from my_utils.workflows.ddp_common import build_model
 
     workers = [json.loads(p.read_text()) for p in sorted((uninterrupted / "workers").glob("rank_*.json"))]
     assert [w["world_size"] for w in workers] == [2, 2]
@@ -63,7 +65,8 @@ def test_the_saved_adapter_is_whole_and_gives_the_sharded_models_outputs(uninter
     assert summary["trainable_params"] == sum(v.numel() for v in saved.values())
     # beside it, what loading it needs and what trained it
     assert AutoTokenizer.from_pretrained(uninterrupted / "adapter").eos_token is not None
-    assert f"| rank, alpha | {summary['rank']}, " in (uninterrupted / "adapter" / "README.md").read_text()
+    rank = adapter_of(json.loads((uninterrupted / "run.json").read_text()))["r"]
+    assert f"| rank, alpha | {rank}, " in (uninterrupted / "adapter" / "README.md").read_text()
 
 
 @pytest.mark.slow

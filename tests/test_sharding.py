@@ -25,7 +25,7 @@ def test_the_float32_formulas(world_size):
 def sharded_run(tmp_path_factory):
     import os
 
-    from my_utils.run.launch import REPO_ROOT
+    from my_utils.core.paths import REPO_ROOT
 
     out = tmp_path_factory.mktemp("sharding") / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
@@ -47,10 +47,10 @@ def test_every_stage_trains_like_ddp_and_holds_what_the_formula_says(sharded_run
     assert len(ddp) == 4 and ddp[-1] < ddp[0]
     for name, result in results.items():
         assert result["losses"] == pytest.approx(ddp, rel=1e-5, abs=1e-6), name
-        assert [m["rank"] for m in result["memory"]] == [0, 1]
+        assert [m["process"] for m in result["memory"]] == [0, 1]
         for measured in result["memory"]:  # every kind, on every rank, within 10% of its formula
             for kind, expected in result["formula"].items():
-                assert math.isclose(measured[kind], expected, rel_tol=0.10), (name, measured["rank"], kind)
+                assert math.isclose(measured[kind], expected, rel_tol=0.10), (name, measured["process"], kind)
     total = {name: sum(r["memory"][0][k] for k in sharding.MEMORY_KINDS) for name, r in results.items()}
     assert total["zero3"] < total["zero2"] < total["zero1"] < total["ddp"]
     # elements through collectives per step, in units of P: an all-reduce counts twice (reduce-scatter + all-gather);
@@ -112,12 +112,12 @@ def test_the_planner_shards_as_the_run_measured(sharded_run):
 def test_a_batch_larger_than_the_data_is_one_sentence_before_the_folder_exists(tmp_path):
     import os
 
-    from my_utils.run.launch import REPO_ROOT
+    from my_utils.core.paths import REPO_ROOT
 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "my_utils.workflows.sharding", "--batch-size", "100000", "--output-dir", str(out)]
+           "-m", "my_utils.workflows.sharding", "--local-batch-size", "100000", "--output-dir", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "fewer than one global batch of 200000" in proc.stderr, proc.stderr[-2000:]
     assert not out.exists()

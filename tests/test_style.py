@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from my_utils.run.results import REPO_ROOT
+from my_utils.core.paths import REPO_ROOT
 
 
 def test_ruff_passes():

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from my_utils import JobFailed, UserError
+from my_utils.lessons import rank_sweep
 from my_utils.tools import sweep
+from my_utils.core.adapters import AdapterSpec
 from my_utils.core.devices import usable_cores
 from my_utils.core.stats import Noise
 from my_utils.run.results import Run
@@ -22,18 +24,20 @@ TINY_ROWS = "".join((Path(__file__).resolve().parent.parent / "assets" / "tiny" 
 
 
 def make_cell(out, cell, status="complete", **summary):
-    """A results folder like the workflow's for ``cell``: settings as the workflow records them, made-up figures."""
-    run = Run.create(out / sweep.cell_name(cell), config={"seed": 0, **cell})
+    """A results folder like the workflow's for ``cell``: settings as the workflow records them (the adapter as its
+    resolved peft config, ``as_record``), made-up figures."""
+    lora = cell.get("method", "lora") == "lora"
+    adapter = {k: tuple(v) if k == "targets" else v for k, v in cell.items() if k in sweep.ADAPTER_SETTINGS}
+    config = {"seed": 0, "method": "lora", **{k: v for k, v in cell.items() if k not in sweep.ADAPTER_SETTINGS},
+              "adapter": AdapterSpec(**adapter).resolved(("c_attn",)).record() if lora else None}
+    run = Run.create(out / sweep.cell_name(cell), config=config)
     run.log_metrics({"step": 1, "loss": 2.0})
     if status != "complete":
         run.fail("boom", status=status)
         return
     rank = cell.get("rank", 8)
-    lora = cell.get("method", "lora") == "lora"
     run.finish({
-        "method": cell.get("method", "lora"), "rank": rank if lora else None,
-        "alpha": cell.get("alpha", 2 * rank) if lora else None, "rslora": cell.get("rslora", False) if lora else None,
-        "targets": cell.get("targets", ["c_attn"]) if lora else None, "learning_rate": cell.get("learning_rate", 2e-3),
+        "method": cell.get("method", "lora"), "learning_rate": cell.get("learning_rate", 2e-3),
         "steps": 10, "runtime_s": 10.0 + rank, "samples_per_s": 50.0 - rank, "peak_memory_bytes": 1000 + rank,
         "trainable_params": 100 * rank if lora else 10_000, "adapter_bytes": 400 * rank if lora else None,
         "eval_loss": 2.0 - rank / 100, "train_loss_final": 1.0 / rank, "exact_match_after": None, **summary,
@@ -124,10 +128,10 @@ def test_bad_input_is_one_sentence(spec, message):
 def test_bad_input_on_the_command_line_writes_nothing(tmp_path, subprocess_env):
     out = tmp_path / "sweep"
     # one small cell, should the check ever let it through (--max-steps 0 once ran the default 250 steps)
-    result = subprocess.run([sys.executable, "-m", "my_utils.tools.sweep", "--ranks", "1", "--max-steps", "0", "--eval-rows",
-                             "4", "--output-dir", str(out)], env=subprocess_env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "my_utils", "sweep", "--ranks", "1", "--max-steps", "0",
+                             "--eval-rows", "4", "--output-dir", str(out)], env=subprocess_env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "sweep: error: --max-steps must be a positive integer, got 0."
+    assert result.stderr.strip().splitlines()[-1] == "my_utils sweep: error: --max-steps must be a positive integer, got 0."
     assert not out.exists(), "nothing written: no sweep.json, no cell folder"
     with pytest.raises(UserError, match="twice"):
         sweep.parse_args(["--ranks", "8", "8", "--output-dir", str(out)])
@@ -210,47 +214,47 @@ def test_the_analyses_come_from_the_rows(tmp_path):
     rows = sweep.load_sweep(out)
 
     ladder = sweep.select(rows, learning_rate=2e-3, alpha=32, targets=["c_attn"])
-    assert [r["rank"] for r in ladder] == [2, 16] and sweep.rank_ladder(rows) == ladder
-    sentences = sweep.tradeoffs(ladder)
+    assert [r["rank"] for r in ladder] == [2, 16] and rank_sweep.rank_ladder(rows) == ladder
+    sentences = rank_sweep.tradeoffs(ladder)
     assert sentences[0] == ("rank 16 trains 8.0x more parameters than rank 2 (1,600 vs 200) for a held-out loss of "
                             "1.600 against 1.900.")
     assert sentences[-1] == "Lowest held-out loss: rank 16 (1.600)."  # no seeds: no rank called as good as another
     # seeds measured beside the cells: a small spread separates the ranks; a wide one leaves them undecided, never
     # "no difference"; rank 2 is as good as the best only within a stated margin that its whole interval fits
-    assert sweep.tradeoffs(ladder, Noise(sd=0.05, df=4))[-1].endswith("every smaller rank ends measurably higher.")
-    wide = sweep.tradeoffs(ladder, Noise(0.2, 4))[-1]
+    assert rank_sweep.tradeoffs(ladder, Noise(sd=0.05, df=4))[-1].endswith("every smaller rank ends measurably higher.")
+    wide = rank_sweep.tradeoffs(ladder, Noise(0.2, 4))[-1]
     assert "rank 2 ends 0.300 [-0.485, 1.085] higher: these seeds neither separate" in wide and "no margin" in wide
-    assert sweep.tradeoffs(ladder, Noise(0.2, 4), margin=0.5)[-1].endswith("nor bound the difference within 0.5.")
-    level = sweep.tradeoffs(ladder, Noise(0.2, 4), margin=1.2)[-1]
+    assert rank_sweep.tradeoffs(ladder, Noise(0.2, 4), margin=0.5)[-1].endswith("nor bound the difference within 0.5.")
+    level = rank_sweep.tradeoffs(ladder, Noise(0.2, 4), margin=1.2)[-1]
     assert "rank 2 ends within 1.2 of it (0.300 [-0.485, 1.085], inside +-1.2) with 0.12x" in level
 
     # at rank 16 the three rules give one scale, 2: one run on every line
-    lines = sweep.scaling_lines(sweep.select(rows, learning_rate=2e-3, targets=["c_attn"]), sweep.scaling_rules(32, 8))
+    lines = rank_sweep.scaling_lines(sweep.select(rows, learning_rate=2e-3, targets=["c_attn"]), rank_sweep.scaling_rules(32, 8))
     assert {label: [r["name"] for r in line] for label, line in lines.items()} == {
         "alpha 32 (scale 32/r)": ["rank2_alpha32_lr0.002", "rank16_alpha32_lr0.002"],
         "rsLoRA, alpha 8 (scale 8/sqrt(r))": ["rank16_alpha32_lr0.002"],
         "alpha = 2r (scale 2)": ["rank2_alpha4_lr0.002", "rank16_alpha32_lr0.002"]}
-    findings = sweep.scaling_findings(lines)
+    findings = rank_sweep.scaling_findings(lines)
     assert findings[1].startswith("alpha = 2r (scale 2): rank 2 ends at held-out loss 2.900 and rank 16 at 1.600 "
                                   "(1.300 lower at the larger rank)")
     assert "4.3x larger with alpha = 2r (scale 2) than with alpha 32 (scale 32/r)" in findings[-1]
 
     lora_and_full = sweep.select(rows, alpha=32, targets=["c_attn"]) + sweep.select(rows, method="full")
-    curves = sweep.learning_rate_curves(lora_and_full)
+    curves = rank_sweep.learning_rate_curves(lora_and_full)
     assert list(curves) == ["rank 2", "full fine-tuning"]
-    rate, best, inside = sweep.best_rate(curves["rank 2"])
+    rate, best, inside = rank_sweep.best_rate(curves["rank 2"])
     assert rate == pytest.approx(4e-3) and inside, "a symmetric minimum: the parabola's vertex is the best rate"
-    rate, best, inside = sweep.best_rate(curves["full fine-tuning"])
+    rate, best, inside = rank_sweep.best_rate(curves["full fine-tuning"])
     assert 1e-4 < rate < 2e-4 and best["learning_rate"] == 2e-4, "pulled towards the lower neighbour"
-    assert sweep.best_rate(curves["rank 2"][:3])[2] is False, "the lowest loss at an end of the rates is no optimum"
-    text = sweep.learning_rate_findings(curves)
+    assert rank_sweep.best_rate(curves["rank 2"][:3])[2] is False, "the lowest loss at an end of the rates is no optimum"
+    text = rank_sweep.learning_rate_findings(curves)
     assert text[-1].startswith("LoRA's best rate is 22.4x to 22.4x full fine-tuning's") and text[-1].endswith(
         "this one is larger.")
 
-    assert sweep.targets_findings(rows)[0] == (
+    assert rank_sweep.targets_findings(rows)[0] == (
         "At 1,600 trainable parameters and lr 0.002: c_attn+c_fc at rank 4 reaches held-out loss 1.000; c_attn at "
         "rank 16 reaches held-out loss 1.600.")
-    report = sweep.report(out)
+    report = rank_sweep.report(out)
     assert (out / "rank_costs.png").is_file() and (out / "learning_rates.png").is_file()
     assert "rank 16 trains" in report and (out / "report.md").read_text().strip() == report
 

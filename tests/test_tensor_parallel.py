@@ -27,7 +27,8 @@ def test_the_plan_splits_every_linear_layer_of_a_llama_block():
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from my_utils.workflows.tensor_parallel import TINY_LLAMA, megatron_plan
+    from my_utils.core.splits import TINY_LLAMA
+    from my_utils.workflows.tensor_parallel import megatron_plan
 
     layer = LlamaDecoderLayer(AutoConfig.from_pretrained(TINY_LLAMA), layer_idx=0)
     linears = {name for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -58,7 +59,8 @@ import json, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoConfig, AutoModelForCausalLM
-from my_utils.workflows.tensor_parallel import TINY_LLAMA, Config, expected_collectives, one_step_check
+from my_utils.core.splits import TINY_LLAMA
+from my_utils.workflows.tensor_parallel import Config, expected_collectives, one_step_check
 
 dist.init_process_group("gloo")
 config = AutoConfig.from_pretrained(TINY_LLAMA)
@@ -106,7 +108,7 @@ def test_two_d_steps_equal_the_unsplit_model_on_the_whole_batch(tmp_path):
 
     for sequence_parallel in (False, True):
         out = tmp_path / f"sp{sequence_parallel}"
-        parallel_2d.main(["--dp", "2", "--tp", "2", "--batch-size", "4", "--max-length", "16", "--output-dir", str(out),
+        parallel_2d.main(["--dp", "2", "--tp", "2", "--global-batch-size", "4", "--max-length", "16", "--output-dir", str(out),
                           *(["--sequence-parallel"] if sequence_parallel else [])])
         s = load_run(out)["summary"]
         assert s["simulated_ranks"] == 4 and s["coordinates"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
@@ -115,6 +117,7 @@ def test_two_d_steps_equal_the_unsplit_model_on_the_whole_batch(tmp_path):
         assert losses[0] == losses[1] and losses[2] == losses[3] and losses[0] != losses[2]
         assert s["loss_mean_over_replicas"] == pytest.approx(s["reference_loss"], abs=1e-5)
         assert s["grad_max_diff"] < 1e-5 * s["grad_scale"] and s["param_max_diff"] < 1e-6
+        assert s["tolerances"] == {"grad_max_diff": 1e-5 * s["grad_scale"], "param_max_diff": 1e-6}
         assert s["collectives"]["gradient average"] == {"all_reduce": s["parameters"]}
         assert s["layer0_shapes"]["self_attn.o_proj.weight"] == [192, 96]
 
@@ -122,7 +125,7 @@ def test_two_d_steps_equal_the_unsplit_model_on_the_whole_batch(tmp_path):
 @pytest.mark.parametrize("args, message", [
     ({"dp": 4, "tp": 8}, "32 simulated ranks, more than 16"),
     ({"tp": 3}, "attention heads, 4, do not split over 3"),
-    ({"dp": 3}, "--batch-size 8 does not split over 3 replicas"),
+    ({"dp": 3}, "--global-batch-size 8 does not split over 3 replicas"),
 ])
 def test_a_2d_mesh_that_does_not_fit_is_refused(args, message):
     from my_utils.workflows.parallel_2d import Config, validate
@@ -153,6 +156,24 @@ def test_context_parallel_refuses_a_sequence_that_does_not_split():
         validate(Config(seq_len=511, num_processes=2))
     with pytest.raises(UserError, match="could hold 128 GiB of scores at --seq-len 65536"):
         validate(Config(seq_len=65536, num_processes=2))
+
+
+def test_an_equality_claim_fails_the_run_beyond_its_stated_tolerance():
+    import math
+
+    from my_utils import JobFailed
+    from my_utils.core.stats import check_tolerances
+    from my_utils.workflows import context_parallel, pipeline_parallel, tensor_parallel
+
+    assert pipeline_parallel.TOLERANCES == {"max_abs_diff": 1e-4, "grad_rel_diff": 1e-5}
+    assert tensor_parallel.TOLERANCES == {"grad_rel_diff": 1e-5, "param_max_diff": 1e-6}
+    ring = {"max_abs_diff": {"output": 6e-7, "grad_v": 3.8e-6}, "tolerances": context_parallel.TOLERANCES}
+    check_tolerances(ring, "Ring attention and whole attention")  # the reference run's differences are equal
+    for worst in (2e-5, math.nan):
+        with pytest.raises(JobFailed, match=r"^Ring attention and whole attention differ by (2.0e-05|nan) "
+                           r"\(max_abs_diff\), over the tolerance 1e-05 that counts as equal;"):
+            check_tolerances({**ring, "max_abs_diff": {"output": 6e-7, "grad_v": worst}},
+                             "Ring attention and whole attention")
 
 
 @pytest.mark.slow

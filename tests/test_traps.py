@@ -14,7 +14,7 @@ from my_utils.workflows import traps
 
 @pytest.mark.slow
 def test_every_trap_springs_and_every_cure_holds(tmp_path):
-    from my_utils.run.launch import REPO_ROOT
+    from my_utils.core.paths import REPO_ROOT
 
     out = tmp_path / "traps"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}
@@ -43,7 +43,7 @@ def test_every_trap_springs_and_every_cure_holds(tmp_path):
 
 @pytest.mark.slow
 def test_the_sharded_save_trap_springs_under_fsdp2_too(tmp_path):
-    from my_utils.run.launch import REPO_ROOT
+    from my_utils.core.paths import REPO_ROOT
 
     out = tmp_path / "traps"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"}

@@ -23,7 +23,7 @@ LORA = "LORA"
 # nothing to merge into the base model
 PROMPT_LEARNING = ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "MULTITASK_PROMPT_TUNING", "ADAPTION_PROMPT", "CPT")
 # the flag of each LoRA field, and its key in peft's LoraConfig
-_LORA_KEYS = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "rslora": "use_rslora",
+LORA_KEYS = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout", "rslora": "use_rslora",
               "dora": "use_dora"}
 
 
@@ -33,7 +33,9 @@ def _setting(default, help: str):
 
 def read_adapter_file(path: str) -> dict:
     """The fields of a peft adapter config file, with one sentence for a file that cannot be one: missing, not a
-    JSON object, or without a ``peft_type``. peft checks the fields themselves (``check_adapter``)."""
+    JSON object, without a ``peft_type``, or with a number no method takes (a count such as ``r`` or
+    ``num_virtual_tokens`` that is not a positive whole number; any other number negative or not finite, which peft
+    passes on to torch, whose error is a traceback). peft checks the fields themselves (``check_adapter``)."""
     file = Path(path)
     if not file.is_file():
         raise UserError(f"The adapter config {path} does not exist; give a peft adapter_config.json, e.g. "
@@ -46,6 +48,13 @@ def read_adapter_file(path: str) -> dict:
     if not isinstance(fields_, dict) or not isinstance(fields_.get("peft_type"), str):
         raise UserError(f"The adapter config {path} has no peft_type field naming its method (e.g. \"LORA\", "
                         "\"IA3\"); start from one in configs/peft/.")
+    for key, value in fields_.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        count = key == "r" or key.startswith("num_")
+        if not math.isfinite(value) or value < 0 or (count and (not isinstance(value, int) or value == 0)):
+            raise UserError(f"The adapter config {path} sets {key} to {value!r}; it must be "
+                            f"{'a positive whole number' if count else 'a finite number, at least 0'}.")
     return fields_
 
 
@@ -71,16 +80,10 @@ class AdapterSpec:
             return self.peft["peft_type"]
         return read_adapter_file(self.adapter_config)["peft_type"] if self.adapter_config else LORA
 
-    @property
-    def method(self) -> str:
-        """The method's short name, as results folders and tables show it: lora (DoRA and rsLoRA included: its
-        variants), ia3, prompt_tuning..."""
-        return self.peft_type.lower()
-
     def _lora_flags_set(self) -> list[str]:
         """The LoRA flags set to something other than their default."""
         defaults = {f.name: f.default for f in fields(AdapterSpec)}
-        return [name for name in _LORA_KEYS if getattr(self, name) != defaults[name]]
+        return [name for name in LORA_KEYS if getattr(self, name) != defaults[name]]
 
     def check(self) -> None:
         """One sentence for a value that cannot work; the targets and peft's own fields are checked against the
@@ -129,7 +132,7 @@ class AdapterSpec:
             peft = dict(written, **({"target_modules": list(self.targets)} if self.targets else {}))
             return replace(self, rank=None, alpha=None, dropout=None, rslora=None, dora=None,
                            targets=_targets_tuple(peft.get("target_modules")), peft=peft)
-        lora = {name: written.get(key, getattr(self, name)) for name, key in _LORA_KEYS.items()}
+        lora = {name: written.get(key, getattr(self, name)) for name, key in LORA_KEYS.items()}
         lora.update({name: getattr(self, name) for name in self._lora_flags_set()})
         targets = tuple(self.targets or _targets_tuple(written.get("target_modules")) or default_targets)
         try:  # the file's values, checked as the flags' are
@@ -138,9 +141,17 @@ class AdapterSpec:
             raise UserError(f"{self.adapter_config}: {e}" if self.adapter_config else str(e)) from None
         if lora["alpha"] is None:
             lora["alpha"] = 2 * lora["rank"]
-        peft = {"bias": "none", **written, **{key: lora[name] for name, key in _LORA_KEYS.items()},
+        peft = {"bias": "none", **written, **{key: lora[name] for name, key in LORA_KEYS.items()},
                 "target_modules": ALL_LINEAR if targets == (ALL_LINEAR,) else list(targets)}
         return replace(self, **lora, targets=targets, peft=peft)
+
+    def record(self) -> dict:
+        """The adapter as run.json records it: peft's resolved config (``peft``) and the file it was read from
+        (``adapter_config``, None for LoRA from the flags), once; the flags that set it are not recorded again. A spec
+        not resolved yet is its flags."""
+        if self.peft is None:
+            return {name: getattr(self, name) for name in (*LORA_KEYS, "targets", "adapter_config")}
+        return {"adapter_config": self.adapter_config, "peft": self.peft}
 
     @property
     def scaling(self) -> float:
@@ -177,6 +188,16 @@ class AdapterSpec:
         return config
 
 
+def method_label(method: str, quantize: str | None, peft: dict | None) -> str:
+    """What tables call a run's method, from what it trained: ``full``; ``qlora-4bit``/``qlora-8bit`` for an
+    adapter on quantized weights; else the adapter's method (``lora``, ``ia3``...), ``dora`` for DoRA."""
+    if method == "full" or peft is None:
+        return method
+    if quantize not in (None, "none"):
+        return f"qlora-{quantize}"
+    return "dora" if peft.get("use_dora") else peft["peft_type"].lower()
+
+
 def _targets_tuple(target_modules) -> tuple[str, ...] | None:
     """peft's target_modules (a list, one name, or None) as the spec's targets."""
     if target_modules is None:
@@ -203,7 +224,8 @@ def adapter_card(saved: dict, run_info: dict, summary: dict) -> str:
     targets = saved.get("target_modules") or []
     kind = saved.get("peft_type", LORA)
     variant = "".join(name for name, key in ((" (rsLoRA)", "use_rslora"), (" (DoRA)", "use_dora")) if saved.get(key))
-    rows = [("base model", shown_base), ("method", summary.get("method", "lora")), ("peft_type", kind)]
+    label = method_label(config.get("method", "lora"), config.get("quantize"), saved)
+    rows = [("base model", shown_base), ("method", label), ("peft_type", kind)]
     if kind == LORA:
         rows.append(("rank, alpha", f"{saved.get('r')}, {saved.get('lora_alpha')}{variant}"))
     if kind in PROMPT_LEARNING:
@@ -211,7 +233,7 @@ def adapter_card(saved: dict, run_info: dict, summary: dict) -> str:
     else:
         rows.append(("targets", targets if isinstance(targets, str) else ", ".join(sorted(targets))))
     rows += [("data", config.get("data_file") or f"the course's instruction data for `{config.get('preset')}`"),
-             ("steps", f"{summary.get('steps')} of {summary.get('effective_batch', '?')} examples each, on "
+             ("steps", f"{summary.get('steps')} of {summary.get('global_batch_size', '?')} examples each, on "
                        f"{summary.get('world_size', 1)} process(es)")]
     for label, before, after in _CARD_SCORES:
         if summary.get(after) is not None:

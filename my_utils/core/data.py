@@ -12,12 +12,15 @@ import json
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core.paths import ASSETS
 
-ASSETS = Path(__file__).resolve().parents[2] / "assets"
 TINY_DATA = ASSETS / "tiny" / "data"
 
 INSTRUCTION_COLUMNS = ("instruction", "input", "output")
 CLASSIFICATION_COLUMNS = ("text", "label")
+# The longest line a data file may hold: a row is a prompt and a response, far shorter; a longer line is refused
+# before it is parsed, or tokenizing it would take minutes
+MAX_LINE_CHARS = 1_000_000
 
 # The Alpaca template without its one-sentence preamble (which costs tokens and teaches nothing).
 PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -54,6 +57,9 @@ def read_jsonl(path: str | Path, columns: tuple[str, ...]) -> list[dict]:
     # JSON lines end at "\n" (and "\r\n") only: str.splitlines would also cut at U+2028 and other separators that
     # JSON text may hold unescaped inside a string
     for number, line in enumerate(text.split("\n"), start=1):
+        if len(line) > MAX_LINE_CHARS:
+            raise UserError(f"Line {number} of {path} is {len(line):,} characters long, over the {MAX_LINE_CHARS:,} a "
+                            "row may hold; split or remove that line.")
         if not line.strip():
             continue
         try:

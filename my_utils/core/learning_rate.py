@@ -26,9 +26,13 @@ def scale_learning_rate(base_lr: float, effective_batch: int, base_batch: int, r
 FULL_FINE_TUNING_SHARE = 0.1  # full fine-tuning moves every pretrained weight: a tenth of LoRA's rate
 
 
-def default_learning_rate(preset, method: str) -> float:
-    """The rate a run uses when none is given: the preset's LoRA rate, or for full fine-tuning the preset's full
-    fine-tuning rate where it was measured, else a tenth of LoRA's (the published rule of thumb)."""
+def default_learning_rate(preset, method: str, role: str = "causal") -> float:
+    """The rate a run uses when none is given, for the preset's model of ``role`` ('causal' or 'classifier'): the
+    preset's LoRA rate, or for full fine-tuning the preset's full fine-tuning rate where it was measured, else a tenth
+    of LoRA's (the published rule of thumb). The classifier's own rates, where the preset has them, come first."""
+    classifier = role == "classifier"
+    lora = (classifier and preset.classifier_learning_rate) or preset.learning_rate
     if method == "full":
-        return preset.full_learning_rate or preset.learning_rate * FULL_FINE_TUNING_SHARE
-    return preset.learning_rate
+        measured = (classifier and preset.classifier_full_learning_rate) or preset.full_learning_rate
+        return measured or lora * FULL_FINE_TUNING_SHARE
+    return lora

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from my_utils import UserError
 from my_utils.core.adapters import ALL_LINEAR, LORA, AdapterSpec
+from my_utils.core.devices import usable_cores
 from my_utils.core.presets import Preset
 
 QUANTIZE_CHOICES = ("none", "8bit", "4bit")
@@ -258,8 +259,6 @@ def weights_bytes(model) -> int:
 def set_threads(n: int | None = None) -> int:
     """Use ``n`` intra-op threads (default: OMP_NUM_THREADS, else all usable cores divided by local world size)."""
     import torch
-
-    from my_utils.core.devices import usable_cores
 
     if n is None:
         env = os.environ.get("OMP_NUM_THREADS")

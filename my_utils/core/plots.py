@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from my_utils.core.memory import MiB, peak_bytes
+from my_utils.core.records import global_batch_of, process_of
 
 
 def new_figure(width: float = 7.0, height: float = 4.0):
@@ -91,10 +92,10 @@ def loss_figure(runs: list[dict], labels: dict[str, str]):
     seen = {}
     for ax, (folder, members) in zip(axes, panels):
         seen[folder] = seen.get(folder, 0) + 1
-        per_sample = all(run["summary"].get("effective_batch") for run in members)
+        per_sample = all(global_batch_of(run["run"], run["summary"]) for run in members)
         for i, run in enumerate(members):
             steps, losses = zip(*[(m["step"], m["loss"]) for m in run["metrics"] if "loss" in m and "step" in m])
-            scale = run["summary"]["effective_batch"] if per_sample else 1
+            scale = global_batch_of(run["run"], run["summary"]) if per_sample else 1
             ax.plot([step * scale for step in steps], losses, label=Path(labels[run["path"]]).name, **line_style(i))
         title = folder if folder != "." else "runs"
         if shares[folder] > 1:
@@ -146,11 +147,11 @@ def memory_bars(runs: list[dict], labels: dict[str, str], path: str | Path) -> P
                 end = entry.get("end") or {}
                 measures.add("peak allocated (CUDA)" if end.get("peak_allocated") is not None
                              else "peak RSS (CPU process)")
-                rank = entry.get("rank", j)
-                bars = ax.barh(y + j, peak_bytes(end) / MiB, 0.8, color=f"C{rank % 10}",
-                               label=None if rank in labelled else f"rank {rank}")
+                process = process_of(entry, j)
+                bars = ax.barh(y + j, peak_bytes(end) / MiB, 0.8, color=f"C{process % 10}",
+                               label=None if process in labelled else f"rank {process}")
                 ax.bar_label(bars, fmt="%.0f", fontsize="x-small", padding=2)
-                labelled.add(rank)
+                labelled.add(process)
             ticks.append(y + (len(entries) - 1) / 2)
             names.append(labels[run["path"]])
             y += len(entries) + 0.6

@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from statistics import mean, stdev
 
+from my_utils import JobFailed
+
 # Two-sided 95% quantiles of Student's t distribution, by degrees of freedom; beyond 30 the normal's 1.96 is within
 # 4% (2.04 at 30), rounded up to 2.0.
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -97,3 +99,16 @@ def _numbers(values) -> list[float]:
     if len(values) < 2:
         raise ValueError(f"an interval needs 2 or more values, got {len(values)}")
     return values
+
+
+def check_tolerances(summary: dict, what: str) -> None:
+    """A claim of equality judged by its stated tolerance: ``summary["tolerances"]`` maps each difference in
+    ``summary`` (a number, or a dict of numbers, each judged) to the largest that still counts as equal.
+    The first difference over its tolerance (or not a number: NaN) raises JobFailed in one sentence; the summary,
+    tolerances included, is written before, so the run's figures stay to read."""
+    for name, tolerance in summary["tolerances"].items():
+        value = summary[name]
+        over = [v for v in (value.values() if isinstance(value, dict) else [value]) if not v <= tolerance]
+        if over:
+            raise JobFailed(f"{what} differ by {over[0]:.1e} ({name}), over the tolerance {tolerance:g} that counts "
+                            "as equal; the results folder's summary.json holds every difference.")

@@ -2,13 +2,13 @@
 gradients, optimizer states and activations; metrics written to the results folder; and a collator hook that
 counts tokens and shows what each rank trains on.
 
-``transformers.TrainerCallback`` is imported lazily (see ``make_callbacks``) so that importing this module
-does not import the Trainer.
+The callbacks follow the Trainer's protocol without subclassing ``transformers.TrainerCallback`` (``Callback``),
+so that importing this module does not import the Trainer.
 
     memory_cb, metrics_cb = make_callbacks(run, device)
     collator = TokenCounter(padding_collator(tokenizer), tokenizer=tokenizer, preview_batches=1)
     Trainer(..., data_collator=collator, callbacks=[memory_cb, metrics_cb])
-    memory_cb.report        # on rank 0: one entry per rank, with its snapshots and breakdown
+    memory_cb.report        # on process 0: one entry per process, with its snapshots and breakdown
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 
 from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+from my_utils.core.models import weights_bytes
 from my_utils.core.printing import get_rank, get_world_size, rank_print
 
 
@@ -33,8 +34,8 @@ def gather_to_rank0(obj) -> list | None:
 
 def preview_batch(batch, tokenizer, n_chars: int = 60) -> dict:
     """Print, with the rank prefix, the start of the first example of a batch (each rank sees other data);
-    returns what was printed as a record: rank, batch size, padded length, text, and a fingerprint of the whole
-    batch's tokens (two batches whose first examples start alike still differ by it)."""
+    returns what was printed as a record: the process index, batch size, padded length, text, and a fingerprint of
+    the whole batch's tokens (two batches whose first examples start alike still differ by it)."""
     import hashlib
 
     ids = batch["input_ids"][0]
@@ -42,7 +43,7 @@ def preview_batch(batch, tokenizer, n_chars: int = 60) -> dict:
     size, length = batch["input_ids"].shape
     rank_print(f"batch of {size} x {length} tokens on rank {get_rank()}/{get_world_size()}: {text!r}")
     fingerprint = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
-    return {"rank": get_rank(), "batch_size": size, "seq_len": length, "text": text, "fingerprint": fingerprint}
+    return {"process": get_rank(), "batch_size": size, "seq_len": length, "text": text, "fingerprint": fingerprint}
 
 
 class TokenCounter:
@@ -93,8 +94,6 @@ def quantization_constant_bytes(model) -> int:
 
 def model_weight_bytes(model) -> int:
     """The weights' footprint: parameters and buffers as stored, plus quantization constants."""
-    from my_utils.core.models import weights_bytes
-
     return weights_bytes(model) + quantization_constant_bytes(model)
 
 
@@ -229,66 +228,82 @@ def memory_breakdown(weights: int, gradients: int, optimizer_states: int, begin:
     }
 
 
+class Callback:
+    """A Trainer callback by the Trainer's own protocol (it calls ``callback.on_<event>(args, state, control,
+    **kwargs)`` for every event) without transformers' ``TrainerCallback`` base, whose import pulls in peft and
+    bitsandbytes: an event a subclass does not define does nothing."""
+
+    def __getattr__(self, name):
+        if name.startswith("on_"):
+            return lambda *args, **kwargs: None
+        raise AttributeError(name)
+
+
+class MemoryCallback(Callback):
+    """Resets the peak counters when training begins and snapshots memory (allocated, reserved, peak, process RSS)
+    then, after the first optimizer step and at the end, on every process; during the first step it also measures
+    the activations saved for backward, the gradients and the optimizer states, from their tensors. At the end each
+    process's figures, with their ``memory_breakdown`` and the CPU seconds it spent training (``cpu_s``), are
+    gathered to process 0: ``.report``, a list ordered by process index (None on the others)."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+        self.begin = self.first_step = self.report = self.saved = None
+        self.gradients = self.optimizer_states = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        reset_peak(self.device)
+        self.begin = snapshot(self.device)
+        self.cpu_started = time.process_time()
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.saved is None:
+            self.saved = SavedActivations(model).start()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.saved is not None:
+            self.saved.stop()
+
+    def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+        # After the step and before zero_grad: gradients are still there and the states exist.
+        if self.first_step is None:
+            self.gradients = gradient_bytes(model)
+            self.optimizer_states = optimizer_state_bytes(optimizer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.first_step is None:
+            self.first_step = snapshot(self.device)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.saved is not None:
+            self.saved.stop()
+        end = snapshot(self.device)
+        mine = {
+            "process": get_rank(),
+            # CPU seconds of this process (all its threads) while training: on a shared machine they tell the
+            # work done apart from time spent waiting for a core, so speedups estimated from them are steadier.
+            "cpu_s": time.process_time() - self.cpu_started,
+            "begin": self.begin,
+            "first_step": self.first_step,
+            "end": end,
+            "breakdown": memory_breakdown(model_weight_bytes(model), self.gradients, self.optimizer_states,
+                                          self.begin, end, self.saved and self.saved.bytes),
+        }
+        self.report = gather_to_rank0(mine)
+
+
+class MetricsWriter(Callback):
+    """Appends each log of the Trainer (loss, learning rate, grad norm...) to ``run``'s metrics.jsonl, on process
+    0."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            self.run.log_metrics({"step": state.global_step, "epoch": state.epoch, "time": time.time(), **logs})
+
+
 def make_callbacks(run=None, device="cpu"):
-    """The course's callbacks: (MemoryCallback, MetricsWriter or None).
-
-    MemoryCallback resets peak counters when training begins, snapshots memory (allocated, reserved, peak,
-    process RSS) then, after the first optimizer step and at the end, on every rank; during the first step it
-    also measures the activations saved for backward, the gradients and the optimizer states, from their
-    tensors. At the end each rank's figures, with their ``memory_breakdown`` and the CPU seconds the process spent
-    training (``cpu_s``), are gathered to rank 0 (``.report``: a list ordered by rank; None elsewhere).
-    MetricsWriter appends each log (loss, learning rate, grad norm...) to ``run``'s metrics.jsonl on rank 0.
-    """
-    from transformers import TrainerCallback
-
-    class MemoryCallback(TrainerCallback):
-        def __init__(self):
-            self.begin = self.first_step = self.report = self.saved = None
-            self.gradients = self.optimizer_states = 0
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            reset_peak(device)
-            self.begin = snapshot(device)
-            self.cpu_started = time.process_time()
-
-        def on_step_begin(self, args, state, control, model=None, **kwargs):
-            if self.saved is None:
-                self.saved = SavedActivations(model).start()
-
-        def on_pre_optimizer_step(self, args, state, control, **kwargs):
-            if self.saved is not None:
-                self.saved.stop()
-
-        def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
-            # After the step and before zero_grad: gradients are still there and the states exist.
-            if self.first_step is None:
-                self.gradients = gradient_bytes(model)
-                self.optimizer_states = optimizer_state_bytes(optimizer)
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if self.first_step is None:
-                self.first_step = snapshot(device)
-
-        def on_train_end(self, args, state, control, model=None, **kwargs):
-            if self.saved is not None:
-                self.saved.stop()
-            end = snapshot(device)
-            mine = {
-                "rank": get_rank(),
-                # CPU seconds of this process (all its threads) while training: on a shared machine they tell the
-                # work done apart from time spent waiting for a core, so speedups estimated from them are steadier.
-                "cpu_s": time.process_time() - self.cpu_started,
-                "begin": self.begin,
-                "first_step": self.first_step,
-                "end": end,
-                "breakdown": memory_breakdown(model_weight_bytes(model), self.gradients, self.optimizer_states,
-                                              self.begin, end, self.saved and self.saved.bytes),
-            }
-            self.report = gather_to_rank0(mine)
-
-    class MetricsWriter(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if state.is_world_process_zero and logs:
-                run.log_metrics({"step": state.global_step, "epoch": state.epoch, "time": time.time(), **logs})
-
-    return MemoryCallback(), (MetricsWriter() if run is not None else None)
+    """The course's callbacks: (MemoryCallback, MetricsWriter or None without a ``run``)."""
+    return MemoryCallback(device), (MetricsWriter(run) if run is not None else None)

@@ -4,6 +4,7 @@ newest whole one to resume from, verified against it."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -40,13 +41,25 @@ def run_id_of(checkpoint: str | Path) -> str | None:
 
 
 def write_checkpoint_manifest(folder: str | Path) -> None:
-    """Record every file of a finished checkpoint with its size and SHA-256, its step and the run it belongs to;
-    written last, atomically."""
+    """Record every file of a finished checkpoint with its size and SHA-256, its step and the run it belongs to,
+    sealed together (``manifest_seal``); written last, atomically."""
     folder = Path(folder)
     files = {p.relative_to(folder).as_posix(): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != CHECKPOINT_MANIFEST}
-    atomic_write_json(folder / CHECKPOINT_MANIFEST, {"step": checkpoint_step(folder), "run_id": run_id_of(folder),
-                                                      "written": now(), "files": files})
+    manifest = {"step": checkpoint_step(folder), "run_id": run_id_of(folder), "written": now(), "files": files}
+    atomic_write_json(folder / CHECKPOINT_MANIFEST, {**manifest, "seal": manifest_seal(manifest)})
+
+
+def manifest_seal(manifest: dict) -> str:
+    """The SHA-256 of a manifest's step, run and files together: a manifest edited after its save (a step changed
+    to match a renamed folder, say) no longer matches its seal."""
+    sealed = {key: manifest.get(key) for key in ("step", "run_id", "files")}
+    return hashlib.sha256(json.dumps(sealed, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def saved_step(checkpoint: str | Path) -> int:
+    """The step a whole checkpoint (``checkpoint_problem`` None) was saved at, as its manifest says."""
+    return int(read_json(Path(checkpoint) / CHECKPOINT_MANIFEST)["step"])
 
 
 def rng_file(folder: str | Path, rank: int) -> Path:
@@ -101,6 +114,8 @@ def checkpoint_problem(folder: str | Path) -> str | None:
         return "it was not finished (no manifest)"
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return "its manifest is unreadable or has no content hashes"
+    if manifest.get("seal") != manifest_seal(manifest):
+        return "its manifest was changed after the save (its seal differs)"
     if manifest.get("step") != checkpoint_step(folder):  # a renamed folder would resume at a step it never reached
         return f"it was saved at step {manifest.get('step')}, not {checkpoint_step(folder)} as its name says"
     if "trainer_state.json" not in recorded:

@@ -3,13 +3,16 @@ on stderr and exit code 2, never a traceback."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
 from my_utils import JobFailed, NothingToDo, UserError
+from my_utils.core.printing import print0
+from my_utils.run.config import parse_config
 from my_utils.run.faults import RankFailure, first_to_say
-from my_utils.run.results import redact_secrets
-from my_utils.run.signals import end_process_group
+from my_utils.run.redaction import redact_secrets
+from my_utils.run.signals import PREEMPTED_EXIT, Preempted, end_process_group
 
 
 def format_summary(summary: dict) -> str:
@@ -19,12 +22,28 @@ def format_summary(summary: dict) -> str:
     return "\n".join(f"{k:<{width}}  {f'{v:.4g}' if isinstance(v, float) else v}" for k, v in rows)
 
 
-def run_main(body, prefix: str = "my_utils"):
-    """Run ``body()``; print its summary on rank 0; turn UserError into a one-line message and exit 2 (exit 0 for
-    NothingToDo), JobFailed or a stopped rank (RankFailure, already recorded in the run) into a one-line message
-    and exit 1, and Ctrl-C or SIGTERM into one line and exit 130."""
-    from my_utils.core.printing import print0
+# The file system's refusals: a full disk or quota, a read-only or forbidden folder. Not bugs: one sentence each.
+FILE_SYSTEM_REFUSALS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
+
+def file_system_refusal(e: OSError) -> str | None:
+    """The one sentence for ``e`` if the file system refused a write (``FILE_SYSTEM_REFUSALS``); None otherwise."""
+    if e.errno not in FILE_SYSTEM_REFUSALS:
+        return None
+    where = f" writing {e.filename}" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"The disk is full{where} ({e.strerror}); free space there, or choose an --output-dir on another "
+                "disk, and run again.")
+    return (f"The file system refused{where} ({e.strerror}); choose an --output-dir in a folder you can write to "
+            "(run from one if the command writes where it runs).")
+
+
+def run_main(body, prefix: str = "my_utils"):
+    """Run ``body()``; print its summary on rank 0; turn UserError, and a write the file system refused (a full
+    disk, a read-only folder: the run, if any, already marked failed), into a one-line message and exit 2 (exit 0 for
+    NothingToDo), JobFailed or a stopped rank (RankFailure, already recorded in the run) into a one-line message
+    and exit 1, Ctrl-C or SIGTERM into one line and exit 130, and a preemption with a checkpoint (SIGUSR1) into one
+    line saying how to resume and exit ``PREEMPTED_EXIT`` (75)."""
     try:
         summary = body()
     except UserError as e:  # it may quote a path or a value that holds a secret
@@ -36,6 +55,15 @@ def run_main(body, prefix: str = "my_utils"):
     except JobFailed as e:
         print(f"{prefix}: error: {redact_secrets(str(e))}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except OSError as e:
+        sentence = file_system_refusal(e)
+        if sentence is None:
+            raise
+        print(f"{prefix}: error: {redact_secrets(sentence)}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    except Preempted as e:  # SIGUSR1, stopped at a step with a checkpoint there (the run is marked interrupted)
+        print(f"{prefix}: preempted ({e})", file=sys.stderr, flush=True)
+        raise SystemExit(PREEMPTED_EXIT) from None
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (``recorded`` has marked the run interrupted): one line
         print(f"{prefix}: interrupted ({str(e) or 'Ctrl-C'})", file=sys.stderr, flush=True)
         raise SystemExit(130) from None
@@ -48,6 +76,27 @@ def run_main(body, prefix: str = "my_utils"):
     if isinstance(summary, dict):
         print0(format_summary(summary))
     return summary
+
+
+def command_line(config_class, train, module: str, description: str):
+    """A workflow's command line: ``(parse_args, main)`` for the module called ``module`` (its ``__name__``).
+
+    ``parse_args(argv)`` is its ``Config`` from flags (``--help`` shows ``description``); ``main(argv)`` trains with
+    it through ``run_main`` (one-line errors prefixed with the module's last name) and returns the summary. Run as
+    ``python -m`` (``module == "__main__"``), the module's last statement, this call, runs ``main`` as a script
+    (``run_as_script``) and does not return.
+    """
+    name = sys.modules[module].__spec__.name if module == "__main__" else module
+
+    def parse_args(argv=None):
+        return parse_config(config_class, argv, prog=f"python -m {name}", description=description)
+
+    def main(argv=None) -> dict:
+        return run_main(lambda: train(parse_args(argv)), prefix=name.rsplit(".", 1)[-1])
+
+    if module == "__main__":
+        run_as_script(main)
+    return parse_args, main
 
 
 def run_as_script(main) -> None:

@@ -5,7 +5,7 @@ by ``parse_config``, once for every workflow::
 
     @dataclass
     class Config(RunSettings):
-        batch_size: int = setting(8, "examples per process per step")
+        eval_rows: int = setting(300, "held-out rows scored")
         optimizer: str = setting("adamw", "the optimizer", choices=("adamw", "sgd"))
         adapter: AdapterSpec = setting(AdapterSpec, "LoRA")   # nested: its fields become flags too (--rank ...)
 
@@ -24,6 +24,12 @@ import types
 import typing
 
 from my_utils import UserError
+from my_utils.core.adapters import AdapterSpec
+from my_utils.core.learning_rate import default_learning_rate
+from my_utils.core.presets import get_preset
+from my_utils.run.redaction import redact_secrets
+from my_utils.run.results import check_new_run_dir
+from my_utils.run.trackers import check_report_to
 
 
 def check_positive(name: str, value, kind=int) -> None:
@@ -38,6 +44,14 @@ def check_choice(name: str, value, choices) -> None:
     """One sentence for a value that is not one of ``choices``."""
     if value not in choices:
         raise UserError(f"Unknown {name} {value!r}; choose one of {', '.join(map(str, choices))}.")
+
+
+def check_choices(flag: str, what: str, values, choices) -> None:
+    """One sentence for a list ``flag`` that names none, or names a ``what`` that is not one of ``choices``."""
+    if not values:
+        raise UserError(f"{flag} names none; give one or more of {', '.join(choices)}.")
+    for value in values:
+        check_choice(what, value, choices)
 
 
 def setting(default, help: str, *, choices=None, unset: str | None = None):
@@ -68,40 +82,39 @@ class RunSettings:
     def check_common(self):
         """Check what every workflow takes, before anything starts; returns the preset. A new run's
         ``output_dir`` must be able to become a new results folder (``check_new_run_dir``)."""
-        from my_utils.core.presets import get_preset
-        from my_utils.run.results import check_new_run_dir
-
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise UserError(f"--seed must be an integer from 0 to 2**32 - 1, got {self.seed!r}.")
         check_positive("--timeout-s", self.timeout_s, float)
         if self.output_dir is not None and not getattr(self, "resume", False):
             check_new_run_dir(self.output_dir)
         if self.report_to:
-            from my_utils.run.trackers import check_report_to
-
             check_report_to(self.report_to)
         return get_preset(self.preset)
 
 
 @dataclasses.dataclass
 class TrainingSettings(RunSettings):
-    """The four settings every training workflow takes, each with one name, one flag and one rule for its default.
+    """The settings every training workflow takes, each with one name, one flag and one rule for its default: the
+    steps, the length, the learning rate, and the batch, whose scope is in its name (``BATCH``), as torchtitan names
+    it: ``local_batch_size`` (``LocalBatchSettings``) or ``global_batch_size`` (``GlobalBatchSettings``).
 
     A workflow gives its own defaults in ``TRAINING_DEFAULTS`` (a setting left out comes from the preset), says what
-    a flag means for it in ``SETTING_HELP`` (blocks or examples, per process or in all), and ``METHOD`` says what it
-    trains ("full" or "lora"), which picks the default learning rate (``default_learning_rate``)::
+    a flag means for it in ``SETTING_HELP`` (blocks or examples), ``METHOD`` says what it trains ("full" or "lora")
+    and ``ROLE`` which of the preset's models ("causal" or "classifier"), which pick the default learning rate
+    (``default_learning_rate``)::
 
         @dataclass
-        class Config(TrainingSettings):
-            TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 4, "max_steps": 6, "max_length": 64}
+        class Config(LocalBatchSettings):
+            TRAINING_DEFAULTS: ClassVar[dict] = {"local_batch_size": 4, "max_steps": 6, "max_length": 64}
             METHOD: ClassVar[str] = "lora"
     """
 
+    BATCH: typing.ClassVar[str]
     TRAINING_DEFAULTS: typing.ClassVar[dict] = {}
     SETTING_HELP: typing.ClassVar[dict] = {}
     METHOD: typing.ClassVar[str] = "full"
+    ROLE: typing.ClassVar[str] = "causal"
 
-    batch_size: int | None = setting(None, "examples per process per step", unset="the preset's")
     max_steps: int | None = setting(None, "optimizer steps", unset="the preset's")
     max_length: int | None = setting(None, "tokens per example", unset="the preset's")
     learning_rate: float | None = setting(None, "peak rate (default: the preset's for LoRA, its full fine-tuning rate "
@@ -112,14 +125,49 @@ class TrainingSettings(RunSettings):
             if getattr(self, name) is None:
                 setattr(self, name, value)
 
-    def settled(self, preset, method: str | None = None) -> dict:
-        """The four settings with every default settled, as run.json records them: the workflow's, else the
-        preset's; the learning rate by ``default_learning_rate`` for ``method`` (default: the workflow's)."""
-        from my_utils.core.learning_rate import default_learning_rate
+    def check_common(self):
+        """``RunSettings.check_common``, and the training settings positive where given (None: resolved later);
+        returns the preset. A workflow checks only its own extra fields."""
+        preset = super().check_common()
+        for name in (self.BATCH, "max_steps", "max_length"):
+            if getattr(self, name) is not None:
+                check_positive(f"--{name.replace('_', '-')}", getattr(self, name))
+        if self.learning_rate is not None:
+            check_positive("--learning-rate", self.learning_rate, float)
+        return preset
 
-        return {"batch_size": self.batch_size or preset.batch_size, "max_steps": self.max_steps or preset.max_steps,
-                "max_length": self.max_length or preset.max_length,
-                "learning_rate": self.learning_rate or default_learning_rate(preset, method or self.METHOD)}
+    def settled(self, preset, method: str | None = None) -> dict:
+        """The training settings with every default settled, as run.json records them: the workflow's, else the
+        preset's (its batch, ``Preset.batch_size``, whatever the scope); the learning rate by
+        ``default_learning_rate`` for ``method`` (default: the workflow's) and the workflow's ``ROLE``."""
+        return {self.BATCH: getattr(self, self.BATCH) or preset.batch_size,
+                "max_steps": self.max_steps or preset.max_steps, "max_length": self.max_length or preset.max_length,
+                "learning_rate": self.learning_rate or default_learning_rate(preset, method or self.METHOD, self.ROLE)}
+
+
+@dataclasses.dataclass
+class LocalBatchSettings(TrainingSettings):
+    """Training settings of a workflow that splits the data over processes: the batch is each process's (each model
+    replica's) per micro-batch, and the global batch is local x gradient accumulation x processes."""
+
+    BATCH: typing.ClassVar[str] = "local_batch_size"
+
+    local_batch_size: int | None = setting(None, "examples per process per micro-batch", unset="the preset's")
+
+    def global_batch(self, replicas: int) -> int:
+        """Examples per optimizer step over ``replicas`` data-parallel processes."""
+        return self.local_batch_size * getattr(self, "grad_accum", 1) * replicas
+
+
+@dataclasses.dataclass
+class GlobalBatchSettings(TrainingSettings):
+    """Training settings of a workflow whose batch is the whole batch of an optimizer step (one process, or one
+    model replica spread over the processes)."""
+
+    BATCH: typing.ClassVar[str] = "global_batch_size"
+
+    global_batch_size: int | None = setting(None, "examples per optimizer step, over all processes",
+                                            unset="the preset's")
 
 
 def _fields(cls):
@@ -186,8 +234,6 @@ class OneLineParser(argparse.ArgumentParser):
     secret in the value it quotes is redacted."""
 
     def error(self, message):
-        from my_utils.run.results import redact_secrets
-
         self.exit(2, f"{self.prog}: error: {redact_secrets(message)}; see --help.\n")
 
 
@@ -205,5 +251,10 @@ def parse_config(cls, argv=None, *, prog: str, description: str):
 
 
 def as_record(cfg) -> dict:
-    """``cfg`` as run.json records it (nested dataclasses as dicts, tuples as lists)."""
-    return dataclasses.asdict(cfg)
+    """``cfg`` as run.json records it: nested dataclasses as dicts, tuples as lists, and an adapter as its resolved
+    peft config and file (``AdapterSpec.record``), each of its facts once."""
+    record = dataclasses.asdict(cfg)
+    for f in dataclasses.fields(cfg):
+        if isinstance(getattr(cfg, f.name), AdapterSpec):
+            record[f.name] = getattr(cfg, f.name).record()
+    return record

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from my_utils import UserError
 from my_utils.run.checkpoints import CHECKPOINT_PREFIX, write_checkpoint_manifest
+from my_utils.run.divergence import finite_callback
 from my_utils.run.signals import Sigterm
 
 CRASH_AT_STEP = "COURSE_CRASH_AT_STEP"
@@ -39,6 +40,9 @@ FAKE_OOM_ABOVE = "COURSE_FAKE_OOM_ABOVE"
 CRASH_MODES = ("raise", "exit", "stop")
 FAILED_KEY = "course/collective_failed/{rank}"  # in the process group's store
 PROCESS_KEY = "course/process/{rank}"  # "host pid" of each rank, written when it joins
+# The signals a stop agreed across ranks can name, weakest first: ranks that got different ones all end as the
+# strongest asked (a SIGTERM means no requeue; SIGUSR1 alone means preempted, to be requeued).
+STOP_SIGNALS = ("SIGUSR1", "Ctrl-C", "SIGTERM")
 
 
 # ---------------------------------------------------------------------------------------------- ranks
@@ -264,7 +268,7 @@ def check_wrapped(model, world_size: int) -> None:
 
 
 def fault_settings() -> dict:
-    """The fault injection the COURSE_* variables ask for (step, rank, mode, delay, oom_above; None or 0 where
+    """The fault injection the COURSE_* variables ask for (step, process, mode, delay, oom_above; None or 0 where
     unset). A crash is injected in the first attempt only: workers that an elastic launcher restarts
     (``--max-restarts``) run on."""
     mode = os.environ.get(CRASH_MODE, "raise")
@@ -273,7 +277,7 @@ def fault_settings() -> dict:
     first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == 0
     return {
         "step": int(os.environ[CRASH_AT_STEP]) if os.environ.get(CRASH_AT_STEP) and first_attempt else None,
-        "rank": int(os.environ[CRASH_RANK]) if os.environ.get(CRASH_RANK) else None,
+        "process": int(os.environ[CRASH_RANK]) if os.environ.get(CRASH_RANK) else None,
         "mode": mode,
         "delay": float(os.environ.get(STEP_DELAY) or 0),
         "oom_above": int(os.environ.get(FAKE_OOM_ABOVE) or 0),
@@ -284,9 +288,11 @@ def reliability_callbacks(world_size: int = 1) -> dict:
     """The Trainer callbacks that make a run survivable, by name:
 
     - ``manifest``: after every checkpoint save (all ranks done), rank 0 writes the checkpoint's manifest;
-    - ``stop``: a SIGTERM or Ctrl-C during training stops every rank at the end of the same step (on several
+    - ``stop``: a SIGTERM, Ctrl-C or SIGUSR1 during training stops every rank at the end of the same step (on several
       processes, the one after the signal), with a checkpoint (``.stopped`` is then True: raise KeyboardInterrupt
       after ``trainer.train()`` returns);
+    - ``finite``: a loss or gradient that is not finite stops every rank before that step's optimizer update
+      (``my_utils.run.divergence``);
     - ``faults``: the fault-injection hooks when a COURSE_* variable asks for one, else absent.
     """
     import torch
@@ -314,35 +320,39 @@ def reliability_callbacks(world_size: int = 1) -> dict:
                 raise KeyboardInterrupt(Sigterm.name)
 
         def on_step_end(self, args, trainer_state, control, **kwargs):
-            requested = Sigterm.requested
+            requested = Sigterm.name if Sigterm.requested else None
             if world_size > 1:  # stop together: a rank that got the signal a step later must not be left alone
                 requested = self.agreed(requested)
             if requested:
-                Sigterm.requested = True
+                Sigterm.requested, Sigterm.name = True, requested  # every rank ends as the signal asked
                 self.stopped = True
                 control.should_save = True
                 control.should_training_stop = True
             return control
 
-        def agreed(self, requested: bool) -> bool:
-            """Whether any rank had the signal one step ago. Each step end starts a reduction of the flags and
-            reads the one started a step before, which has long finished: no rank waits for the others here (a
-            blocking reduction each step cost as much as the gradients' own). Every rank reads the same
-            reduction at the same step, so all stop at the end of the same step, the one after the signal."""
-            flag = torch.tensor([int(requested)], device=state.device)
+        def agreed(self, requested: str | None) -> str | None:
+            """The signal any rank had one step ago (the strongest of ``STOP_SIGNALS`` if several), or None. Each
+            step end starts a reduction of the flags and reads the one started a step before, which has long
+            finished: no rank waits for the others here (a blocking reduction each step cost as much as the
+            gradients' own). Every rank reads the same reduction at the same step, so all stop at the end of the
+            same step, the one after the signal."""
+            code = STOP_SIGNALS.index(requested) + 1 if requested else 0
+            flag = torch.tensor([code], device=state.device)
             work = torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, async_op=True)
             previous, self.pending = self.pending, (work, flag)
-            return previous is not None and self.read(previous)
+            return self.read(previous) if previous is not None else None
 
         @staticmethod
-        def read(reduction) -> bool:
+        def read(reduction) -> str | None:
             work, flag = reduction
             work.wait()
-            return bool(flag.item())
+            return STOP_SIGNALS[int(flag.item()) - 1] if flag.item() else None
 
         def on_train_end(self, args, trainer_state, control, **kwargs):
             if self.pending is not None:  # no collective left in flight; a signal in the last step counts below
-                Sigterm.requested |= self.read(self.pending)
+                agreed = self.read(self.pending)
+                if agreed:
+                    Sigterm.requested, Sigterm.name = True, agreed
                 self.pending = None
             Sigterm.deferrable = False
             if Sigterm.requested and not self.stopped:  # it came after the last step: no step left to stop at
@@ -358,7 +368,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
         def on_step_end(self, args, trainer_state, control, **kwargs):
             if faults["delay"]:
                 time.sleep(faults["delay"])
-            if trainer_state.global_step != faults["step"] or faults["rank"] not in (None, state.process_index):
+            if trainer_state.global_step != faults["step"] or faults["process"] not in (None, state.process_index):
                 return
             where = f"at step {faults['step']} on rank {state.process_index} ({CRASH_AT_STEP})"
             print(f"fault injection: {faults['mode']} {where}", file=sys.stderr, flush=True)
@@ -374,7 +384,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
             raise torch.OutOfMemoryError(f"Fake out of memory. A batch of {ids.shape[0]} rows is above "
                                          f"{FAKE_OOM_ABOVE}={faults['oom_above']}.")
 
-    callbacks = {"manifest": CheckpointManifest(), "stop": StopOnSigterm()}
+    callbacks = {"manifest": CheckpointManifest(), "stop": StopOnSigterm(), "finite": finite_callback()}
     if faults["step"] is not None or faults["delay"] or faults["oom_above"]:
         callbacks["faults"] = InjectFaults()
     return callbacks

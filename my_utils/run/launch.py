@@ -24,24 +24,22 @@ import sys
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core.devices import cuda_available, usable_cores
+from my_utils.core.paths import REPO_ROOT
 from my_utils.core.progress import follow_log
 from my_utils.run.results import output_to, shown_path
+from my_utils.run.signals import end_process_group
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # Modules that initialise a device or import bitsandbytes when imported; they must stay inside the function.
 LAUNCH_UNSAFE_MODULES = ("bitsandbytes", "peft", "trl", "transformers.trainer")
 
 
 def is_cpu_only() -> bool:
-    from my_utils.core.devices import cuda_available
-
     return not cuda_available()
 
 
 def max_processes() -> int:
     """How many processes this machine can usefully run: its GPUs, or its CPU cores without GPUs."""
-    from my_utils.core.devices import usable_cores
-
     if is_cpu_only():
         return usable_cores()
     import torch
@@ -119,8 +117,6 @@ def _then_end_process_group(function):
         import tqdm.auto
         import tqdm.std
 
-        from my_utils.run.signals import end_process_group
-
         # The kernel's widget bars cannot be drawn from a fork (ipykernel drops each message, with a warning): the
         # worker's bars (the libraries' own, the Trainer's) are tqdm's text ones.
         tqdm.auto.tqdm = tqdm.std.tqdm
@@ -181,8 +177,6 @@ def _logged(function, log):
 
 def _notebook_launch(function, args, num_processes: int, port: int | None):
     from accelerate import notebook_launcher
-
-    from my_utils.core.devices import usable_cores
 
     # The workers inherit these. Threads: the usable cores shared out (accelerate would otherwise pick a count
     # itself, from the physical cores, and warn that it did).

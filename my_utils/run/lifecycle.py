@@ -3,13 +3,15 @@ turn its outcome into its status.
 
 SIGTERM (a scheduler preempting the job; ``accelerate launch`` forwards it to every worker) interrupts the run,
 or, while a Trainer can stop cleanly (``my_utils.run.faults.reliability_callbacks``), stops every rank at the end
-of the current step with a checkpoint; either way the run ends ``interrupted`` with a non-zero exit.
+of the current step with a checkpoint; either way the run ends ``interrupted`` with a non-zero exit. SIGUSR1 (SLURM's
+warning before the time limit) stops it the same way, and a stop at a step ends it ``Preempted``.
 """
 
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -19,10 +21,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from my_utils import NothingToDo, UserError
-from my_utils.run.checkpoints import checkpoint_step, find_resume_checkpoint, set_aside_incomplete
-from my_utils.run.results import (Run, check_new_run_dir, hold_folder, now, owner_alive, read_json, redact_secrets,
-                                  unique_dir)
-from my_utils.run.signals import Sigterm, on_sigterm
+from my_utils.core.devices import device_inventory
+from my_utils.core.models import set_threads
+from my_utils.core.printing import print0
+from my_utils.core.records import lora_settings
+from my_utils.run.callbacks import gather_to_rank0
+from my_utils.run.checkpoints import find_resume_checkpoint, saved_step, set_aside_incomplete
+from my_utils.run.config import as_record
+from my_utils.run.faults import announce_process, name_stopped_ranks
+from my_utils.run.launch import check_process_count, check_world_size
+from my_utils.run.locks import current_status, hold_folder, owner_alive
+from my_utils.run.redaction import hash_secrets, redact_secrets
+from my_utils.run.results import Run, check_new_run_dir, now, read_json, unique_dir
+from my_utils.run.signals import Preempted, Sigterm, on_sigterm
+from my_utils.run.trackers import open_trackers
 
 
 def _agree(state, outcome: list) -> list:
@@ -76,8 +88,9 @@ def resume_after_restart(cfg):
 def check_resumable(run_dir: str | Path, config: dict, may_differ=(), *, workflow: str | None = None,
                     checkpoints: str | None = None) -> dict:
     """Before resuming: the folder is a results folder of ``workflow`` that did not complete, was started with the same
-    settings (except the keys in ``may_differ``) and has a whole checkpoint of its own under ``checkpoints``. Returns
-    its run.json."""
+    settings (except the keys in ``may_differ``; a secret compared by its hash, as run.json records it) on the same
+    data file (``data_fingerprint``), and has a whole checkpoint of its own under ``checkpoints``. Returns its
+    run.json."""
     run_dir = Path(run_dir)
     try:
         found = (run_dir / "run.json").is_file()
@@ -93,13 +106,13 @@ def check_resumable(run_dir: str | Path, config: dict, may_differ=(), *, workflo
     if workflow and info.get("workflow") not in (None, workflow):
         raise UserError(f"The run in {run_dir} was made by the {info['workflow']} workflow, not {workflow}; resume it "
                         f"with python -m my_utils.workflows.{info['workflow']}.")
-    if info.get("status") == "complete":
+    if current_status(info, run_dir) == "complete":
         raise NothingToDo(f"The run in {run_dir} is already complete; there is nothing to resume.")
     if info.get("status") == "running" and owner_alive(info, run_dir):
         raise UserError(f"The run in {run_dir} is still running (process {info['pid']}); let it finish or stop it "
                         "before resuming.")
     recorded_config = _flat(info.get("config") or {})
-    for key, value in _flat(redact_secrets(config)).items():  # as run.json recorded them: secrets redacted
+    for key, value in _flat(hash_secrets(config)).items():  # as run.json recorded them: secrets by their hash
         if key in may_differ or key not in recorded_config:
             continue
         old = recorded_config[key]
@@ -107,16 +120,35 @@ def check_resumable(run_dir: str | Path, config: dict, may_differ=(), *, workflo
             flag = "--" + key.replace("_", "-")
             raise UserError(f"The run in {run_dir} was started with {flag} {old!r}, not {value!r}; resume with "
                             "the same settings, or start a new run with another --output-dir.")
+    data_file, recorded_data = config.get("data_file"), info.get("data_file_fingerprint")
+    if recorded_data and data_file and Path(data_file).is_file() and data_fingerprint(data_file) != recorded_data:
+        raise UserError(f"The data file {redact_secrets(data_file)} changed since the run started (size/hash); "
+                        "restore it or start a new run with another --output-dir.")
     if checkpoints:
         find_resume_checkpoint(run_dir / checkpoints)  # one sentence now if there is none of its own
     return info
 
 
+def data_fingerprint(path: str | Path | None) -> dict | None:
+    """The size and sha256 of the data file at ``path`` (read a MiB at a time), as run.json records it
+    (``data_file_fingerprint``) for ``--resume`` to check; None without a file."""
+    if not path:
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return {"size": Path(path).stat().st_size, "sha256": digest.hexdigest()}
+
+
 def _flat(config: dict) -> dict:
     """A nested setting (a dict, e.g. the adapter) compared field by field, each named by its own flag as
-    ``parse_config`` makes them (``--rank``, not ``--adapter``)."""
+    ``parse_config`` makes them (``--rank``, not ``--adapter``); an adapter recorded as peft's config is read in the
+    flags' words too (``lora_settings``), so that a changed rank is named as the flag that changed it."""
     flat = {}
     for key, value in config.items():
+        if isinstance(value, dict) and value.get("peft") is not None:
+            value = {**lora_settings(value["peft"]), **value}
         flat.update(value if isinstance(value, dict) else {key: value})
     return flat
 
@@ -153,7 +185,7 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
             for name, problem in skipped:
                 print(f"passing over {name}: {problem}", file=sys.stderr, flush=True)
             moved = set_aside_incomplete(checkpoint.parent, [name for name, _ in skipped])
-            step = checkpoint_step(checkpoint)
+            step = saved_step(checkpoint)
             run = Run(run_dir)
             run.keep_metrics_until(step)
             resume = {"started": now(), "from_checkpoint": checkpoint.relative_to(run_dir).as_posix(),
@@ -177,13 +209,13 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
 
 @contextmanager
 def recorded(run: Run | None):
-    """Mark ``run`` failed (exception) or interrupted (Ctrl-C, SIGTERM) if the body does not finish.
+    """Mark ``run`` failed (exception) or interrupted (Ctrl-C, SIGTERM, SIGUSR1) if the body does not finish.
 
-    SIGTERM and Ctrl-C become KeyboardInterrupt (or, during training with ``reliability_callbacks``, a clean stop with
-    a checkpoint, then KeyboardInterrupt) so that a preempted or stopped job leaves status 'interrupted' and no
-    half-written summary, then exits non-zero.
+    SIGTERM, Ctrl-C and SIGUSR1 become KeyboardInterrupt (or, during training with ``reliability_callbacks``, a clean
+    stop with a checkpoint, then KeyboardInterrupt; ``Preempted`` for SIGUSR1) so that a preempted or stopped job
+    leaves status 'interrupted', the reason in its error, and no half-written summary, then exits non-zero.
     """
-    signals = (signal.SIGTERM, signal.SIGINT)
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
     previous = {s: signal.getsignal(s) for s in signals}
     Sigterm.requested, Sigterm.name = False, "SIGTERM"
     try:
@@ -195,7 +227,7 @@ def recorded(run: Run | None):
         yield run
     except KeyboardInterrupt as e:
         if run is not None:
-            run.fail(f"interrupted: {e}", status="interrupted")
+            run.fail(f"{'preempted' if isinstance(e, Preempted) else 'interrupted'}: {e}", status="interrupted")
         raise
     except BaseException as e:
         if run is not None:
@@ -215,9 +247,6 @@ def recorded(run: Run | None):
 def join_world(num_processes: int | None, timeout_s: float | None = None) -> int:
     """Inside every worker, first: the world size this process belongs to, checked against what the launch
     asked for (the CPU trap: unsynchronised copies), and the processes on this machine against its cores."""
-    from my_utils.run.faults import announce_process
-    from my_utils.run.launch import check_process_count, check_world_size
-
     local_processes = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun and accelerate launch
     if local_processes:  # before the group forms: more processes than cores may not finish forming it before the
         # first of them refuses and exits, and the others would then fail inside gloo
@@ -254,15 +283,11 @@ class Lifecycle:
 
     def gather(self, obj) -> list | None:
         """One object per rank, on rank 0 (ordered by rank); None elsewhere. Every rank must call it."""
-        from my_utils.run.callbacks import gather_to_rank0
-
         return gather_to_rank0(obj)
 
     def finish(self, summary: dict | None) -> dict:
         """Rank 0 writes ``summary`` (what rank 0 passes; the others may pass None) and marks the run complete;
         every rank gets it back (only rank 0 when the body already closed the process group)."""
-        from my_utils.core.printing import print0
-
         if self.run is not None:
             self.run.finish(summary)
             print0(f"results folder: {self.folder}")
@@ -298,10 +323,6 @@ def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints:
     line also goes to the trackers ``report_to`` names (default: ``cfg.report_to``; a body that hands them to
     accelerate itself passes ``()``).
     """
-    from my_utils.core.devices import device_inventory
-    from my_utils.core.models import set_threads
-    from my_utils.core.printing import print0
-
     threads = set_threads()
     report_to = getattr(cfg, "report_to", ()) if report_to is None else report_to
     checkpoint = None
@@ -309,20 +330,17 @@ def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints:
         run, folder, checkpoint = reopen_run(cfg.output_dir, checkpoints, world_size=world_size)
         print0(f"resuming {folder} from {checkpoint.relative_to(folder)}")
     else:
-        run, folder = open_run(cfg.output_dir, default_dir, dataclasses.asdict(cfg), world_size=world_size,
+        run, folder = open_run(cfg.output_dir, default_dir, as_record(cfg), world_size=world_size,
                                backend=process_group_backend(), devices=device_inventory(),
-                               threads_per_process=threads, **fields)
+                               threads_per_process=threads,
+                               data_file_fingerprint=data_fingerprint(getattr(cfg, "data_file", None)), **fields)
     life = Lifecycle(run, folder, world_size, checkpoint)
     with recorded(run):
         if run is not None and report_to:
-            from my_utils.run.trackers import open_trackers
-
             run.trackers = open_trackers(report_to, folder, folder.name)
         try:
             yield life
         except Exception as e:  # a collective that failed because a rank stopped: the rank named, on every rank
-            from my_utils.run.faults import name_stopped_ranks
-
             failure = name_stopped_ranks(e, world_size, getattr(cfg, "timeout_s", 1800))
             if failure is None:
                 raise

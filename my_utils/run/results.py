@@ -27,9 +27,12 @@ import uuid
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core.paths import REPO_ROOT, RUNS_ROOT
+from my_utils.run.locks import current_status, hold_folder, release_folder
+from my_utils.run.redaction import hash_secrets, redact_secrets
+from my_utils.run.signals import signals_held
+from my_utils.run.trackers import numbers
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RUNS_ROOT = REPO_ROOT / "runs"
 LIBRARIES = ("torch", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "datasets", "tokenizers")
 
 
@@ -183,6 +186,8 @@ def launch_record() -> dict | None:
     env = {k: given[k] for k in LAUNCH_ENV if k in given}
     if any("ipykernel" in part for part in argv):
         return {"launcher": "notebook_launcher, from a notebook", "env": env}
+    if argv[:1] and argv[0].startswith("slurmstepd"):  # a SLURM task per rank, no launcher (run.json's slurm)
+        return {"launcher": "srun, one task per rank", "env": env}
     shown = []
     for i, part in enumerate(argv):
         name = os.path.basename(part)
@@ -196,6 +201,24 @@ def launch_record() -> dict | None:
         shown = ["accelerate launch", *shown[2:]]
     typed = " ".join([*(f"{k}={v}" for k, v in env.items()), *shown])
     return {"launcher": redact_secrets(typed), "env": redact_secrets(env)}
+
+
+def slurm_record() -> dict | None:
+    """The SLURM job this process runs in: job id, array job and task ids, node list, this node, and the script
+    that was submitted with its arguments (``Command`` of ``scontrol show job``); None outside a SLURM job."""
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    record = {key: os.environ.get(var) for key, var in (
+        ("job_id", "SLURM_JOB_ID"), ("array_job_id", "SLURM_ARRAY_JOB_ID"), ("array_task_id", "SLURM_ARRAY_TASK_ID"),
+        ("node_list", "SLURM_JOB_NODELIST"), ("node", "SLURMD_NODENAME"), ("nodes", "SLURM_NNODES"))}
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True,
+                               text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        shown = ""
+    script = re.search(r"^\s*Command=(.*)$", shown, re.MULTILINE)
+    record["script"] = script.group(1).strip() if script else None
+    return record
 
 
 class Run:
@@ -220,7 +243,8 @@ class Run:
             "run_id": uuid.uuid4().hex,  # the run's identity: its checkpoints carry it, and a resume checks it
             "command": redact_secrets(command if command is not None else invocation()),
             "launch": launch_record(),  # under a launcher: its command line as typed, and what set it up
-            "config": redact_secrets(config),
+            "slurm": slurm_record(),  # in a SLURM job: its ids, nodes and submitted script
+            "config": hash_secrets(config),  # compared on --resume: a secret by its hash, never written
             **git_state(),
             "versions": library_versions(),
             "started": now(),
@@ -255,8 +279,6 @@ class Run:
         with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(record, default=str) + "\n")
         if self.trackers:
-            from my_utils.run.trackers import numbers
-
             for tracker in self.trackers:
                 tracker.log(numbers(record), step=record.get("step"))
 
@@ -277,67 +299,20 @@ class Run:
         atomic_write_text(path, "".join(kept))
 
     def finish(self, summary: dict) -> None:
-        """Write summary.json, then mark the run complete: a complete run always has its summary."""
-        atomic_write_json(self.path / "summary.json", summary)
-        self.update(status="complete", finished=now())
-        release_folder(self.path)
+        """Write summary.json, then mark the run complete, as one step: a stop asked for meanwhile (SIGTERM, Ctrl-C)
+        takes effect after it. A complete run always has its summary."""
+        with signals_held():
+            atomic_write_json(self.path / "summary.json", summary)
+            self.update(status="complete", finished=now())
+            release_folder(self.path)
 
     def fail(self, error: str, status: str = "failed") -> None:
         """Mark the run failed (or ``status``), unless it already completed: a finished run stays finished (a
         SIGTERM that arrives as the process ends changes nothing)."""
-        if self.info.get("status") == "complete":
+        if current_status(self.info, self.path) == "complete":
             return
         self.update(status=status, finished=now(), error=error)
         release_folder(self.path)
-
-
-# Names of settings whose values are secrets (split into words: "hf_token" -> hf, token).
-SECRET_WORDS = frozenset({"token", "secret", "password", "passwd", "credential", "credentials", "apikey"})
-SECRET_PAIRS = frozenset({("api", "key"), ("access", "key"), ("private", "key"), ("secret", "key")})
-# Values that are secrets whatever their name: Hugging Face, OpenAI-style, GitHub and AWS access keys.
-# Token-shaped values, matched as whole tokens only: "sk-..." inside "task-..." or "disk-..." is a file name.
-SECRET_VALUE = re.compile(r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,}"
-                          r"|AKIA[0-9A-Z]{16})(?![A-Za-z0-9])")
-REDACTED = "<redacted>"
-
-
-def looks_secret(name: str) -> bool:
-    """Whether a setting or environment variable called ``name`` holds a secret (HF_TOKEN, --api-key...)."""
-    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w]
-    return any(w in SECRET_WORDS for w in words) or any(pair in SECRET_PAIRS for pair in zip(words, words[1:]))
-
-
-def redact_secrets(obj):
-    """``obj`` (a command line, a config) with secrets replaced by ``<redacted>``: values of keys and
-    ``--options`` whose name looks secret, token-shaped strings, and the values of secret-looking environment
-    variables wherever they appear. Everything else is returned unchanged."""
-    env_secrets = [v for k, v in os.environ.items() if looks_secret(k) and len(v) >= 8]
-
-    def scrub(text: str) -> str:
-        for value in env_secrets:
-            text = text.replace(value, REDACTED)
-        return SECRET_VALUE.sub(REDACTED, text)
-
-    if isinstance(obj, dict):
-        return {k: REDACTED if looks_secret(str(k)) and obj[k] is not None else redact_secrets(v)
-                for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        out, hide_next = [], False
-        for item in obj:
-            if hide_next:
-                out.append(REDACTED)
-                hide_next = False
-                continue
-            if isinstance(item, str) and item.startswith("-") and looks_secret(item.split("=", 1)[0]):
-                if "=" in item:
-                    item = item.split("=", 1)[0] + "=" + REDACTED
-                else:
-                    hide_next = True
-            out.append(redact_secrets(item))
-        return type(obj)(out) if isinstance(obj, tuple) else out
-    if isinstance(obj, str):
-        return scrub(obj)
-    return obj
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -353,81 +328,6 @@ def find_run_dirs(*paths: str | Path) -> list[Path]:
         if p.is_dir():
             found.update(q.parent for q in p.rglob("run.json"))
     return sorted(found)
-
-
-# Results folders this process writes, each with its locked descriptor (see ``hold_folder``).
-_HELD: dict[str, int] = {}
-
-
-def hold_folder(folder: str | Path, what: str = "The results folder") -> None:
-    """Take the writer's lock on ``folder`` for as long as this process writes it: an OS lock on the folder itself
-    (``flock``), which ends with the process however it ends (SIGKILL, a reboot), so that no second writer can take
-    the folder over and a dead writer is never taken for a live one (a reused process id is). One sentence if
-    another process holds it."""
-    import fcntl
-
-    key = os.path.realpath(folder)
-    if key in _HELD:
-        return
-    fd = os.open(folder, os.O_RDONLY)  # not inherited by the processes this one starts
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise UserError(f"{what} {folder} is being written by another process right now; let it finish, or stop "
-                        "it, before running this command again.") from None
-    _HELD[key] = fd
-
-
-def release_folder(folder: str | Path) -> None:
-    """Give back the writer's lock on ``folder`` (the run it holds is finished)."""
-    fd = _HELD.pop(os.path.realpath(folder), None)
-    if fd is not None:
-        os.close(fd)
-
-
-def writer_alive(folder: str | Path) -> bool | None:
-    """Whether a process holds the writer's lock on ``folder`` (this one included); None where it cannot be told."""
-    import fcntl
-
-    if os.path.realpath(folder) in _HELD:
-        return True
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing drops the shared lock taken above, if any
-
-
-def owner_alive(info: dict, folder: str | Path | None = None) -> bool | None:
-    """Whether the process that writes a run is alive: from the folder's writer lock where the run took one (run.json
-    says ``writer_lock``), else from its pid; None when it cannot be known here (another machine, no pid)."""
-    if info.get("host") != socket.gethostname():
-        return None
-    if folder is not None and info.get("writer_lock"):
-        return writer_alive(folder)
-    if not isinstance(info.get("pid"), int):
-        return None
-    try:
-        os.kill(info["pid"], 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        return True
-    return True
-
-
-def current_status(info: dict, folder: str | Path | None = None) -> str:
-    """A run's status as every reader should see it: ``running`` whose writer is gone (SIGKILL, a full disk, a
-    lost machine's process on this one) is ``crashed``. Give the run's ``folder`` for its writer lock."""
-    status = info.get("status")
-    return "crashed" if status == "running" and owner_alive(info, folder) is False else status
 
 
 def load_run(path: str | Path) -> dict:
@@ -463,13 +363,6 @@ def _read_object(path: Path) -> dict:
     return obj
 
 
-def lesson_dir(lesson: str) -> Path:
-    """Where a notebook writes its experiments: ``$COURSE_RUN_ROOT/<lesson>`` when the demo runs it, else
-    ``runs/notebooks/<lesson>`` (``_2``, ``_3``... when run again by hand, so nothing is overwritten)."""
-    root = Path(os.environ.get("COURSE_RUN_ROOT") or RUNS_ROOT / "notebooks")
-    return unique_dir(root / lesson)
-
-
 def shown_path(path: str | Path) -> str:
     """``path`` as the reader of a lesson finds it: relative to the demo's results folder (``COURSE_RUN_ROOT``)
     when it lies there, else to the repository; other paths whole."""
@@ -500,18 +393,3 @@ def output_to(log: str | Path):
         finally:
             for handler, stream in zip(handlers, streams):
                 handler.setStream(stream)
-
-
-CLAIMS_FILE = "claims.json"
-
-
-def record_claims(lesson: str | Path, claims: list[tuple[str, str]]) -> Path:
-    """Write a lesson's checked claims to ``<lesson>/claims.json``: one (claim, measured figure) pair each.
-
-    A notebook calls this in its closing cell, after the assertions that would fail if a claim were false, so
-    the file exists only for claims that held; the README's series table is generated from the reference run's
-    files (``scripts/update_readme.py``)."""
-    path = Path(lesson) / CLAIMS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, [{"claim": claim, "figure": figure} for claim, figure in claims])
-    return path

@@ -13,6 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from my_utils.core.devices import usable_cores
+from my_utils.run.launch import clean_env, run_logged
+from my_utils.run.results import load_run, shown_path
+
 SEEDS = (0, 1, 2)  # three seeds: the fewest that give a spread and an interval
 
 
@@ -26,10 +30,6 @@ def run_seeds(command, folder: str | Path, seeds=SEEDS, *, jobs: int | None = No
     ``command`` may also be a dict of such functions, one per setting: every setting's seeds then share one pool
     (no core idles while the last seed of one setting runs alone), each into ``folder/<setting>/seed_<seed>``, and
     the result is a dict of run lists by setting."""
-    from my_utils.core.devices import usable_cores
-    from my_utils.run.launch import clean_env, run_logged
-    from my_utils.run.results import load_run, shown_path
-
     folder = Path(folder)
     settings = command if isinstance(command, dict) else {None: command}
     where = {name: folder / name if name is not None else folder for name in settings}

@@ -1,5 +1,6 @@
-"""How a run stops: SIGTERM and Ctrl-C (at once, or after the current step while a Trainer can stop cleanly), and
-the process group's teardown after a run that ended well.
+"""How a run stops: SIGTERM and Ctrl-C (at once, or after the current step while a Trainer can stop cleanly),
+SIGUSR1 (a scheduler's warning before it preempts the job: the same stop, ending ``Preempted``), and the process
+group's teardown after a run that ended well.
 
 ``my_utils.run.lifecycle.recorded`` installs ``on_sigterm``; ``my_utils.run.faults.StopOnSigterm`` lets a Trainer
 defer it to the end of a step; ``my_utils.run.cli.run_main`` calls ``end_process_group`` after a successful run.
@@ -9,28 +10,60 @@ from __future__ import annotations
 
 import signal
 import sys
+from contextlib import contextmanager
+
+
+# The exit code of a run preempted with a checkpoint: sysexits' EX_TEMPFAIL, "try again later". A job script
+# requeues on it (configs/slurm/preemptible.sbatch), and on nothing else: a failure (1, 2) or a stop by hand (130)
+# requeued would only fail or stop again.
+PREEMPTED_EXIT = 75
+
+
+class Preempted(KeyboardInterrupt):
+    """SIGUSR1 stopped the run at the end of a step with a checkpoint there; ``--resume`` continues it."""
 
 
 class Sigterm:
-    """What the handler ``recorded`` installs for SIGTERM and Ctrl-C (SIGINT) does: interrupt at once, or, while a
-    Trainer can stop cleanly (``StopOnSigterm`` is active), ask it to stop after the current step. ``name`` says
-    which asked first."""
+    """What the handler ``recorded`` installs for SIGTERM, Ctrl-C (SIGINT) and SIGUSR1 does: interrupt at once, or,
+    while a Trainer can stop cleanly (``StopOnSigterm`` is active), ask it to stop after the current step. ``name``
+    says which asked first (once the ranks agree on the stop, the strongest any rank had: ``faults.STOP_SIGNALS``)."""
 
     deferrable = False
     requested = False
     name = "SIGTERM"
+    held = False  # inside ``signals_held``: a stop waits for the block's end
+    pending = None  # the stop that arrived while held, by name
 
 
 def on_sigterm(signum, frame):
-    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    name = {signal.SIGINT: "Ctrl-C", signal.SIGUSR1: "SIGUSR1"}.get(signum, "SIGTERM")
+    if Sigterm.held:
+        Sigterm.pending = Sigterm.pending or name
+        return
     if Sigterm.deferrable and not Sigterm.requested:
         Sigterm.requested, Sigterm.name = True, name
-        print(f"{name}: stopping after this step and saving a checkpoint ({'press it' if name == 'Ctrl-C' else 'send it'}"
-              " again to stop at once)", file=sys.stderr, flush=True)
+        again = {"Ctrl-C": " (press it again to stop at once)", "SIGTERM": " (send it again to stop at once)"}
+        print(f"{name}: stopping after this step and saving a checkpoint{again.get(name, '')}", file=sys.stderr,
+              flush=True)
         return
-    if Sigterm.deferrable and name != Sigterm.name:  # a launcher passing Ctrl-C on as SIGTERM: not a second ask
+    # A launcher passing Ctrl-C on as SIGTERM is not a second ask, nor is SIGUSR1 again (``scancel --full`` sends it
+    # to the batch shell, which forwards it, and to the job step): a warning never stops a run at once.
+    if Sigterm.deferrable and (name != Sigterm.name or name == "SIGUSR1"):
         return
     raise KeyboardInterrupt(name)
+
+
+@contextmanager
+def signals_held():
+    """Run the block to its end whatever stop (SIGTERM, Ctrl-C, SIGUSR1) arrives meanwhile: one that does interrupts
+    the run once the block is over, as it would have before it."""
+    Sigterm.held, Sigterm.pending = True, None
+    try:
+        yield
+    finally:
+        Sigterm.held = False
+    if Sigterm.pending:
+        raise KeyboardInterrupt(Sigterm.pending)
 
 
 def end_process_group() -> None:

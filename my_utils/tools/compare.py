@@ -26,17 +26,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core import plots
 from my_utils.core.memory import format_bytes, peak_bytes
+from my_utils.core.records import adapter_of, global_batch_of, label_of, local_batch_of, lora_settings, process_of
 from my_utils.core.tables import TERMINAL_WIDTH, markdown_table, text_table
-from my_utils.run.results import check_outside_runs, find_run_dirs, load_run
+from my_utils.run.config import OneLineParser
+from my_utils.run.results import atomic_write_json, atomic_write_text, check_outside_runs, find_run_dirs, load_run
+from my_utils.tools.peft_results import peft_results
 
 # Configuration keys that do not make two runs different experiments: how the global batch is split over processes
 # (their number, the batch each takes, its accumulation, the layout) is what a speedup varies, the global batch
 # itself being compared instead; the others say where a run is kept and how long a collective waits.
 # (Checkpointing, resuming and the threads per process change the speed: runs that differ in them are not one
 # experiment.)
-NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "batch_size", "grad_accum", "parallel", "output_dir", "resume",
-                                 "timeout_s"})
+NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "local_batch_size", "global_batch_size", "batch_size", "grad_accum",
+                                 "parallel", "output_dir", "resume", "timeout_s"})
 # A summary with none of these is not a training run (e.g. the demo's own record of notebook timings).
 TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
 FOLDED_ROWS = 20  # markdown tables longer than this are folded (<details>)
@@ -74,9 +78,10 @@ class Comparison:
 # The figures the tables read from a summary (numbers, or absent), and the records they read from run.json.
 NUMBER_KEYS = ("steps", "samples_per_s", "samples_per_cpu_s", "tokens_per_s", "train_loss_first", "train_loss_final",
                "eval_loss", "eval_loss_before", "runtime_s", "world_size", "trainable_params", "total_params",
-               "peak_memory_bytes", "learning_rate", "grad_accum", "effective_batch", "batch_size_per_process",
+               "peak_memory_bytes", "learning_rate", "grad_accum", "global_batch_size", "local_batch_size",
+               "effective_batch", "batch_size_per_process",
                "adapter_bytes", "exact_match_before", "exact_match_after", "similarity_before", "similarity_after",
-               "accuracy_before", "accuracy_after", "rank")
+               "accuracy_before", "accuracy_after")
 RECORD_KINDS = {"status": str, "config": dict, "versions": dict, "devices": list, "commit": str, "world_size": int}
 
 
@@ -207,21 +212,15 @@ def experiment_settings(run: dict) -> dict:
     group's baseline)."""
     config = {k: v for k, v in (run["run"].get("config") or {}).items() if k not in NOT_EXPERIMENT_KEYS}
     s = run["summary"]
-    return {"workflow": s.get("workflow"), "method": s.get("method"), "hardware": hardware(run),
+    return {"workflow": s.get("workflow"), "method": label_of(run["run"], s), "hardware": hardware(run),
             "global batch": global_batch(run), "steps": s.get("steps"),
             "threads per process": run["run"].get("threads_per_process"), "resumed": bool(run["run"].get("resumes")),
             "folder": str(Path(run["path"]).parent), **config}
 
 
 def global_batch(run: dict) -> int | None:
-    """Examples per optimizer step over all processes, as the summary records it (``effective_batch``), else from
-    the configuration (batch per process x accumulation x processes); None where neither says."""
-    s, config = run["summary"], run["run"].get("config") or {}
-    if s.get("effective_batch"):
-        return s["effective_batch"]
-    if isinstance(config.get("batch_size"), int):
-        return config["batch_size"] * (config.get("grad_accum") or 1) * world_size(run)
-    return None
+    """Examples per optimizer step over all processes (``global_batch_of``); None where the records do not say."""
+    return global_batch_of(run["run"], run["summary"])
 
 
 def experiment_key(run: dict) -> str:
@@ -264,9 +263,10 @@ def world_size(run: dict) -> int:
 def describe(run: dict) -> str:
     """A short name for a group of runs: workflow, preset, method and LoRA rank."""
     s = run["summary"]
-    parts = [s.get("workflow"), s.get("preset"), s.get("method")]
-    if s.get("rank"):
-        parts.append(f"r{s['rank']}")
+    parts = [s.get("workflow"), s.get("preset"), label_of(run["run"], s)]
+    lora_rank = lora_settings(adapter_of(run["run"]))["rank"]
+    if lora_rank:
+        parts.append(f"r{lora_rank}")
     parts.append(hardware(run).split(" @ ")[0])
     return " ".join(dict.fromkeys(str(p) for p in parts if p))  # "lora tiny lora" -> "lora tiny"
 
@@ -318,7 +318,7 @@ def runs_table(runs, name) -> Table:
         s = r["summary"]
         steps = s.get("steps") if isinstance(s.get("steps"), int) else None  # a benchmark may keep a table there
         resumed = s.get("resumed_from_step")  # its runtime and rates are those of the steps after it
-        rows.append([name(r), str(s.get("workflow") or "-").rsplit(".", 1)[-1], str(s.get("method") or "-"),
+        rows.append([name(r), str(s.get("workflow") or "-").rsplit(".", 1)[-1], str(label_of(r["run"], s) or "-"),
                      str(world_size(r)), _num(steps, "{}") + (f" (timed from {resumed})" if resumed else ""),
                      _num(s.get("runtime_s"), "{:.1f} s"),
                      _num(s.get("samples_per_s"), "{:.1f}"), _num(s.get("tokens_per_s"), "{:,.0f}"),
@@ -362,12 +362,12 @@ def memory_table(runs, name) -> Table:
             first = entry.get("first_step") or {}
             cuda = end.get("peak_allocated") is not None
             parts = entry.get("breakdown") or {}
-            rows.append([name(r), str(world_size(r)), str(entry.get("rank")), str(end.get("device", "-")),
+            rows.append([name(r), str(world_size(r)), str(process_of(entry)), str(end.get("device", "-")),
                          "peak allocated" if cuda else "peak RSS", format_bytes(peak_bytes(end)),
                          format_bytes(peak_bytes(first)) if first else "-", format_bytes(end.get("peak_reserved")),
                          *(format_bytes(parts.get(k)) for k in ("weights", "gradients", "optimizer_states",
                                                                 "saved_activations"))])
-    return Table("Memory per device", ["run", "procs", "rank", "device", "measure", "peak", "after step 1",
+    return Table("Memory per device", ["run", "procs", "process", "device", "measure", "peak", "after step 1",
                                        "peak reserved", "weights", "gradients", "optimizer", "saved activations"],
                  rows, "CUDA: peak allocated by tensors; CPU: peak resident memory of the process (includes Python "
                  "and torch); the parts are measured from the tensors (saved activations: what autograd kept for "
@@ -378,10 +378,10 @@ def batch_table(runs, name) -> Table:
     rows = []
     for r in runs:
         s = r["summary"]
-        rows.append([name(r), str(world_size(r)), _num(s.get("batch_size_per_process"), "{}"),
-                     _num(s.get("grad_accum"), "{}"), _num(s.get("effective_batch"), "{}"),
+        rows.append([name(r), str(world_size(r)), _num(local_batch_of(s), "{}"),
+                     _num(s.get("grad_accum"), "{}"), _num(global_batch(r), "{}"),
                      str(s.get("lr_scaling") or "-"), _num(s.get("learning_rate"), "{:.2e}")])
-    return Table("Batch and learning rate", ["run", "procs", "batch/process", "grad accum", "effective batch",
+    return Table("Batch and learning rate", ["run", "procs", "batch/process", "grad accum", "global batch",
                                              "lr scaling", "learning rate"], rows,
                  "effective batch = batch/process x grad accum x processes")
 
@@ -473,9 +473,6 @@ def overview(*paths, root: Path | str | None = None, markdown: bool = False) -> 
 def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
     """Write the plots (PNG) and the tables (comparison.md, comparison.txt) into ``out``, and each LoRA-workflow run
     in the layout of peft's method comparison (``method_comparison/<run>.json``); returns the files."""
-    from my_utils.core import plots
-    from my_utils.run.results import atomic_write_text
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -489,9 +486,6 @@ def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
     trained = [r for r in comparison.runs if r["summary"].get("workflow") == "lora"
                and (r["summary"].get("memory") or [{}])[0].get("breakdown")]  # what the layout's memory needs
     if trained:  # beside peft's published method comparison, in its layout
-        from my_utils.run.results import atomic_write_json
-        from my_utils.tools.peft_methods import peft_results
-
         files["peft"] = out / "method_comparison"
         files["peft"].mkdir(exist_ok=True)
         for r in trained:
@@ -518,8 +512,6 @@ def check_comparison_dir(out: str) -> Path:
 
 def main(argv=None) -> None:
     import argparse
-
-    from my_utils.run.config import OneLineParser
 
     p = OneLineParser(prog="python -m my_utils compare", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -20,7 +20,13 @@ import time
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.run.results import REPO_ROOT, Run, next_run_root
+from my_utils.core.devices import device_kind
+from my_utils.core.paths import REPO_ROOT
+from my_utils.core.presets import get_preset
+from my_utils.run.config import OneLineParser, check_positive
+from my_utils.run.launch import check_process_count, max_processes
+from my_utils.run.results import Run, next_run_root
+from my_utils.tools.compare import load_runs, overview
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 
@@ -95,12 +101,6 @@ def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 
 
 def main(argv=None) -> Path:
     from tqdm import tqdm
-
-    from my_utils.core.devices import device_kind
-    from my_utils.core.presets import get_preset
-    from my_utils.run.config import OneLineParser, check_positive
-    from my_utils.run.launch import check_process_count, max_processes
-    from my_utils.tools.compare import load_runs, overview
 
     p = OneLineParser(prog="python -m my_utils demo", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)

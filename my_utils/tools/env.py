@@ -20,7 +20,12 @@ import socket
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core.devices import cuda_available, device_inventory
+from my_utils.core.memory import format_bytes
+from my_utils.core.tables import text_table
+from my_utils.run.config import OneLineParser
 from my_utils.run.launch import accelerate_default_config
+from my_utils.run.results import library_versions
 
 # Variables that change what a launch does or what a run measures.
 ENV_VARS = ("ACCELERATE_USE_CPU", "ACCELERATE_CONFIG_FILE", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
@@ -51,6 +56,13 @@ def is_loopback(ip: str) -> bool:
     return ipaddress.ip_address(ip.split("%")[0]).is_loopback
 
 
+def names_one_machine(ip: str) -> bool:
+    """Whether ``ip`` can name the one machine that hosts a rendezvous: not unspecified (0.0.0.0, ::, which means
+    any address of whichever machine reads it), broadcast (255.255.255.255) or multicast."""
+    address = ipaddress.ip_address(ip.split("%")[0])
+    return not (address.is_unspecified or address.is_multicast or address == ipaddress.ip_address("255.255.255.255"))
+
+
 def check_rendezvous(config_path: str | Path, settings: dict, machine_rank: int, timeout_s: float = 3.0) -> str:
     """Whether this machine, as ``machine_rank``, can take part in the config's rendezvous at
     ``main_process_ip:main_process_port``: machine 0 hosts it, so the address must be one of its own and the port
@@ -71,6 +83,10 @@ def check_rendezvous(config_path: str | Path, settings: dict, machine_rank: int,
         raise UserError(f"main_process_ip {host} in {config_path} is not an address (it does not resolve); set it "
                         "to the address of machine 0 (`hostname -I` there lists them).") from None
     family, _, _, _, (ip, *_) = address
+    if not names_one_machine(ip):
+        raise UserError(f"main_process_ip {host} in {config_path} is an unspecified, broadcast or multicast address, "
+                        "which names no one machine to meet at; set it to machine 0's network address (`hostname -I` "
+                        "there lists them).")
     if machine_rank > 0 and is_loopback(ip):
         raise UserError(f"main_process_ip {host} in {config_path} is a loopback address, which every machine takes for "
                         "itself: machine 0 cannot be reached there from another; set it to machine 0's network "
@@ -103,8 +119,6 @@ def torch_build() -> dict:
     """What torch was built for: its CUDA version (None on a CPU build) and whether bf16 runs on the GPU."""
     import torch
 
-    from my_utils.core.devices import cuda_available
-
     build = {"torch cuda": torch.version.cuda, "cudnn": None, "bf16 on GPU": None}
     if cuda_available():
         build["cudnn"] = torch.backends.cudnn.version()
@@ -114,9 +128,6 @@ def torch_build() -> dict:
 
 def environment(config_file: str | Path | None = None) -> dict:
     """Everything the command shows, as plain data."""
-    from my_utils.core.devices import device_inventory
-    from my_utils.run.results import library_versions
-
     config_path = Path(config_file) if config_file else accelerate_default_config()
     return {
         "devices": device_inventory(),
@@ -129,9 +140,6 @@ def environment(config_file: str | Path | None = None) -> dict:
 
 
 def render(env: dict) -> str:
-    from my_utils.core.memory import format_bytes
-    from my_utils.core.tables import text_table
-
     devices = [[d["kind"] if d["index"] is None else f"{d['kind']}:{d['index']}", d["name"], str(d["cores"] or "-"),
                 format_bytes(d["total_memory"])] for d in env["devices"]]
     build = env["torch_build"]
@@ -157,8 +165,6 @@ def render(env: dict) -> str:
 
 def main(argv=None) -> None:
     import argparse
-
-    from my_utils.run.config import OneLineParser
 
     p = OneLineParser(prog="python -m my_utils env", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)

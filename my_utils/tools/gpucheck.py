@@ -36,7 +36,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.run.results import REPO_ROOT, RUNS_ROOT, read_json
+from my_utils.core.devices import cuda_available, device_inventory, fast_bf16, usable_cores
+from my_utils.core.memory import format_bytes
+from my_utils.core.paths import REPO_ROOT, RUNS_ROOT
+from my_utils.core.records import label_of
+from my_utils.core.stats import difference, mean_interval
+from my_utils.core.tables import markdown_table, text_table
+from my_utils.run.config import OneLineParser, check_positive
+from my_utils.run.launch import clean_env
+from my_utils.run.lifecycle import recorded
+from my_utils.run.results import Run, atomic_write_json, check_new_run_dir, git_state, now, read_json, unique_dir
+from my_utils.tools.bench.memory import planner_ratios
+from my_utils.tools.bench.qlora import TARGETS
+from my_utils.tools.planner import compare_with_run, plan, plan_for_run
 
 PARTS = ("tests", "series", "qlora", "planner", "mfu")
 # Dense bf16 matrix throughput from the vendor's datasheet, by a name torch reports; the first match counts.
@@ -146,11 +158,18 @@ def run_job(job: Job, folder: Path, env: dict, deadline: float) -> None:
                   "reason": "timed out" if code is None else tail[0][-300:]}
 
 
+def check_something_ran(jobs: list[Job]) -> None:
+    """One sentence (UserError) when every command was skipped: a check that ran nothing has checked nothing."""
+    if all(job.result["status"] == "skipped" for job in jobs):
+        reasons = sorted({job.result["reason"] for job in jobs})
+        raise UserError(f"The GPU check ran none of its {len(jobs)} commands ({'; '.join(reasons)}), so it checked "
+                        "nothing; raise --budget-s (a command needs 10 s or more to start) or run it where its parts "
+                        "can run.")
+
+
 def run_jobs(jobs: list[Job], folder: Path, parallel: int, budget_s: float, threads: int) -> None:
     """The timing jobs one at a time, first; then the rest, ``parallel`` at a time; a progress bar over all."""
     from tqdm.auto import tqdm
-
-    from my_utils.run.launch import clean_env
 
     env = clean_env(HF_HUB_OFFLINE=1, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=threads,
                     PYTHONUNBUFFERED=1)
@@ -175,9 +194,11 @@ def _summary(folder: Path, job: Job) -> dict | None:
     return read_json(path) if job.result.get("status") == "ok" and path.is_file() else None
 
 
-def series_figures(summary: dict) -> dict:
-    """A workflow run's figures: precision, losses and quality, speed, CUDA's memory columns, the planner."""
-    figures = {key: summary.get(key) for key in (
+def series_figures(run: dict) -> dict:
+    """A workflow run's figures (``run``: its run.json and summary.json): its method as tables label it, precision,
+    losses and quality, speed, CUDA's memory columns, the planner."""
+    summary = run["summary"]
+    figures = {"label": label_of(run["run"], summary)} | {key: summary.get(key) for key in (
         "method", "mixed_precision", "steps", "eval_loss_before", "eval_loss", "exact_match_before",
         "exact_match_after", "accuracy_before", "accuracy_after", "train_loss_first", "train_loss_final", "runtime_s", "tokens_per_s",
         "peak_memory_bytes", "quantization") if key in summary}
@@ -188,11 +209,9 @@ def series_figures(summary: dict) -> dict:
         report[moment] is not None and all(report[moment][c] is not None for c in columns)
         for report in memory for moment in ("begin", "first_step", "end") if moment in report)
     if summary.get("workflow") == "lora":
-        from my_utils.tools.planner import compare_with_run, plan_for_run
-
-        rows = compare_with_run(summary)
+        rows = compare_with_run(run)
         figures["planned_over_measured"] = {row.component: row.ratio for row in rows}
-        planned = plan_for_run(summary)
+        planned = plan_for_run(run)
         peak = memory[0]["end"]["peak_allocated"] if memory else None
         figures["planned_peak"] = planned.peak
         figures["planned_peak_over_peak_allocated"] = planned.peak / peak if peak else None
@@ -201,9 +220,6 @@ def series_figures(summary: dict) -> dict:
 
 def step_figures(step: dict) -> dict:
     """A measured step's parts against the planner, and CUDA's peak allocated against the plan's total."""
-    from my_utils.tools.bench.memory import planner_ratios
-    from my_utils.tools.planner import plan
-
     p = plan(step["preset"], step["method"], batch_size=step["batch"], max_length=step["seq"],
              device="cuda" if step["device"].startswith("cuda") else "cpu",
              dtype="bf16" if step["precision"].startswith("bf16") else "fp32",
@@ -249,6 +265,8 @@ def collect(jobs: list[Job], folder: Path, cuda: bool, quick: bool, device_name:
     for job in jobs:
         entry = dict(job.result)
         found = _summary(folder, job)
+        if found is not None and job.part == "series":  # a workflow run's figures read its run.json too
+            found = {"run": read_json(folder / job.part / job.name / "run.json"), "summary": found}
         if found is not None:
             try:
                 entry["figures"] = {"series": series_figures, "planner": step_figures, "qlora": qlora_figures,
@@ -315,8 +333,6 @@ def checks(parts: dict, cuda: bool, quick: bool) -> list[dict]:
               math.isfinite(f["eval_loss"]) and f["eval_loss"] < f["eval_loss_before"])
     losses = seed_losses(runs)
     if "lora" in losses and len(losses) > 1 and not quick:  # two steps of --quick teach the tiny model nothing
-        from my_utils.core.stats import difference, mean_interval
-
         versus = {n: difference(v, losses["lora"]) for n, v in losses.items() if n != "lora" and len(v) > 1}
         check(f"QLoRA's held-out loss over {len(losses['lora'])} seeds ends within the noise between seeds of LoRA's "
               "on unquantized weights",
@@ -334,8 +350,6 @@ def checks(parts: dict, cuda: bool, quick: bool) -> list[dict]:
               abs(worst[2] - 1) <= PLANNER_TOLERANCE)
     qlora = next((c.get("figures") for c in parts["qlora"]["commands"].values() if c.get("figures")), None)
     if qlora and not quick:  # the targets are opt-350m's; --quick measures the tiny model
-        from my_utils.tools.bench.qlora import TARGETS
-
         for key, target in TARGETS.items():
             if key in qlora["ratios"]:
                 check(f"{key.replace('_', ' ')} <= {target}", f"{qlora['ratios'][key]:.4f}",
@@ -349,9 +363,6 @@ def checks(parts: dict, cuda: bool, quick: bool) -> list[dict]:
 def report(parts: dict, found: list[dict], markdown: bool = False) -> str:
     """The check as tables (the terminal's, or markdown for the README): the commands (terminal only), the series,
     one step's tensors against the planner, QLoRA's weights, MFU, and the checks."""
-    from my_utils.core.memory import format_bytes
-    from my_utils.core.tables import markdown_table, text_table
-
     table = markdown_table if markdown else text_table
     lines = []
 
@@ -406,8 +417,6 @@ def _before_after(f: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from my_utils.run.config import OneLineParser, check_positive
-
     p = OneLineParser(prog="python -m my_utils gpucheck", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", default=None,
@@ -417,7 +426,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="commands at a time after the timing ones (default: 6 on a GPU, 2 on a CPU)")
     p.add_argument("--budget-s", type=float, default=480,
                    help="seconds after which no further command starts (each is skipped, saying so)")
-    p.add_argument("--dry-run", action="store_true", help="print what would run and what would be skipped; run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would run and what would be skipped (with --collect: the figures and checks); "
+                   "run and write nothing")
     p.add_argument("--collect", metavar="FOLDER", default=None,
                    help="read a finished check's folder again and rewrite its figures and checks with this code (its "
                    "commands' results are kept as they ran); runs nothing")
@@ -428,11 +439,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def collect_again(folder: str | Path) -> tuple[dict, list[dict]]:
+def collect_again(folder: str | Path, write: bool = True) -> tuple[dict, list[dict]]:
     """A finished check's figures and checks computed again from its commands' results folders with this code: what
-    ran, and how each command ended, are kept; summary.json is rewritten and says when and by which commit."""
-    from my_utils.run.results import atomic_write_json, git_state, now
-
+    ran, and how each command ended, are kept; with ``write``, summary.json is rewritten and says when and by which
+    commit (without, nothing is written)."""
     folder = Path(folder)
     try:
         summary = read_json(folder / "summary.json")
@@ -444,19 +454,16 @@ def collect_again(folder: str | Path) -> tuple[dict, list[dict]]:
     for job in jobs:
         job.result = {k: v for k, v in saved[job.part, job.name].items() if k != "figures"}
     parts, found = collect(jobs, folder, summary["cuda"], summary["quick"], summary["device"])
-    atomic_write_json(folder / "summary.json", {**summary, "parts": parts, "checks": found,
-                                                "collected_again": {"at": now(), **git_state()}})
+    if write:
+        atomic_write_json(folder / "summary.json", {**summary, "parts": parts, "checks": found,
+                                                    "collected_again": {"at": now(), **git_state()}})
     return parts, found
 
 
 def main(argv=None) -> dict | None:
-    from my_utils.core.devices import cuda_available, device_inventory, fast_bf16, usable_cores
-    from my_utils.run.lifecycle import recorded
-    from my_utils.run.results import Run, check_new_run_dir, unique_dir
-
     args = parse_args(argv)
     if args.collect:
-        parts, found = collect_again(args.collect)
+        parts, found = collect_again(args.collect, write=not args.dry_run)
         print(report(parts, found))
         return None
     cuda = cuda_available()
@@ -475,6 +482,7 @@ def main(argv=None) -> dict | None:
     with recorded(run):
         started = time.perf_counter()
         run_jobs(jobs, out, parallel, args.budget_s, threads=max(1, usable_cores() // parallel))
+        check_something_ran(jobs)
         parts, found = collect(jobs, out, cuda, args.quick, device_name)
         summary = {"device": device_name, "cuda": cuda, "quick": args.quick, "seconds": time.perf_counter() - started,
                    "parts": parts, "checks": found}

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from my_utils.run.launch import free_port
-from my_utils.run.results import REPO_ROOT
+from my_utils.core.paths import REPO_ROOT
 
 CHROMIUMS = ("chromium", "chromium-browser", "google-chrome")
 # JupyterLab's settings for a test: every cell in the page (no virtual scrolling), no news, no autosave

@@ -17,11 +17,12 @@ import sys
 import traceback
 from pathlib import Path
 
+from my_utils.run.divergence import diverged
+from my_utils.workflows import lora
+
 
 def run_cell(folder: Path, args: list[str]) -> int:
     """Train one cell as ``python -m my_utils.workflows.lora <args>`` would; returns its exit code."""
-    from my_utils.workflows import lora
-
     log = folder.with_name(f"{folder.name}.log")
     with open(log, "w", encoding="utf-8") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
         print("$ python -m my_utils.workflows.lora " + " ".join(args), flush=True)
@@ -40,10 +41,11 @@ def run_cell(folder: Path, args: list[str]) -> int:
 
 def main(argv=None) -> int:
     """Run each ``[folder, options]`` cell given; stop at a cell that refuses its settings (exit 2: the sweep's
-    other cells would be refused too), else go on past failures (the sweep reads each folder's status)."""
+    other cells would be refused too), else go on past failures, a diverged cell's among them (the sweep reads each
+    folder's status)."""
     for item in sys.argv[1:] if argv is None else argv:
         folder, args = json.loads(item)
-        if run_cell(Path(folder), args) == 2:
+        if run_cell(Path(folder), args) == 2 and not diverged(folder):
             return 2
     return 0
 

@@ -2,13 +2,13 @@
 
     python -m my_utils.workflows.classification --preset tiny --method lora                 # one process
     ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.classification \\
-        --preset tiny --method full --parallel ddp --batch-size 8                           # 2 processes, DDP
+        --preset tiny --method full --parallel ddp --local-batch-size 8                     # 2 processes, DDP
     ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.classification \\
         --preset tiny --method lora --parallel pipeline                                     # 2 pipeline stages
     accelerate launch --config_file configs/multi_gpu.yaml -m my_utils.workflows.classification \\
         --preset roberta-large --method full --parallel ddp                                 # GPUs
 
-``--batch-size`` is what one model replica takes per step: one DDP process (the global batch is batch_size x
+``--local-batch-size`` is what one model replica takes per step: one DDP process (the global batch is local x
 processes), or the whole 2-stage pipeline (one replica, its batch cut into ``--microbatches``). Given the same
 global batch, the three ways to run do the same arithmetic: the same global batches in the same order, the same
 initial weights, and dropout off, so they differ only in how the work and the memory are spread. Every run writes a
@@ -25,25 +25,37 @@ from typing import NamedTuple
 
 from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
-from my_utils.run.config import TrainingSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils.core.data import check_enough_rows, load_classification
+from my_utils.core.devices import per_rank_device
+from my_utils.core.evaluation import accuracy
+from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+from my_utils.core.models import add_adapter, build_classifier, count_parameters, load_tokenizer
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.pipeline import make_schedule, pipeline_stage
+from my_utils.core.printing import print0
+from my_utils.run.callbacks import gradient_bytes, memory_breakdown, model_weight_bytes, optimizer_state_bytes
+from my_utils.run.cli import command_line
+from my_utils.run.config import LocalBatchSettings, check_choice, check_positive, setting
+from my_utils.run.divergence import check_finite
+from my_utils.run.launch import is_cpu_only
+from my_utils.run.lifecycle import join_world, process_group_backend, run_lifecycle
+from my_utils.workflows.pipeline_parallel import disable_dropout
 
 METHODS = ("full", "lora")
 PARALLEL = ("none", "ddp", "pipeline")
-# Peak learning rates per preset: LoRA trains few, freshly initialised weights and takes a larger step than full
-# fine-tuning, which moves every pretrained weight. The rate decays linearly to zero over the run. tiny's LoRA rate
-# was chosen at rank 8 over lesson 11's 150 steps: 6e-3 ended nearer full fine-tuning than 5e-3 (seeds 0 to 2) and
-# 3e-3 (seed 0); 1.2e-2 did no better at 100 steps.
-LEARNING_RATES = {"tiny": {"full": 5e-4, "lora": 6e-3}, "roberta-large": {"full": 2e-5, "lora": 2e-4}}
+
+
+DESCRIPTION = ("Full fine-tuning or LoRA of a sentence classifier, on one process, with DDP or as a 2-stage pipeline. "
+               "Launch DDP and pipeline runs with `ACCELERATE_USE_CPU=1 accelerate launch --config_file "
+               "configs/cpu_x2.yaml -m my_utils.workflows.classification ...`. Writes a results folder and prints its summary.")
 
 
 @dataclass
-class Config(TrainingSettings):
+class Config(LocalBatchSettings):
     SETTING_HELP: ClassVar[dict] = {
-        "batch_size": "examples per process per step; a pipeline is one model replica, so its batch_size is the whole "
-                      "batch (default: the preset's batch, shared by the DDP processes)",
-        "learning_rate": "peak rate, decaying linearly to zero (default: LEARNING_RATES, per preset and method; "
-                         "elsewhere the preset's for the method)",
+        "local_batch_size": "examples per model replica per step: a DDP process, or the whole pipeline (one replica) "
+                            "(default: the preset's batch, shared by the DDP processes)",
+        "learning_rate": "peak rate, decaying linearly to zero (default: the preset's classifier rate for the method)",
         "max_length": "tokens per sentence (default: the longest sentence, at most the preset's max_length)"}
     method: str = setting("lora", "full (every weight trains) or lora (adapters on the preset's classifier targets)",
                           choices=METHODS)
@@ -51,6 +63,7 @@ class Config(TrainingSettings):
                             "process)", choices=PARALLEL)
     adapter: AdapterSpec = setting(AdapterSpec, "the LoRA adapter (--method lora); default targets: the preset's "
                                    "classifier_lora_targets")
+    ROLE: ClassVar[str] = "classifier"
     microbatches: int = setting(4, "micro-batches per step (pipeline)")
     eval_rows: int = setting(300, "held-out rows scored for accuracy")
     eval_steps: int = setting(20, "steps between accuracy evaluations")
@@ -58,17 +71,12 @@ class Config(TrainingSettings):
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
-    from my_utils.run.config import check_choice, check_positive
-
     preset = cfg.check_common()
     preset.require("classifier")
     check_choice("method", cfg.method, METHODS)
     check_choice("parallel mode", cfg.parallel, PARALLEL)
     if cfg.method == "lora":
         cfg.adapter.check_lora_only("classification")
-    for name in ("batch_size", "max_steps", "max_length", "learning_rate"):
-        if getattr(cfg, name) is not None:
-            check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name), float if name == "learning_rate" else int)
     for name in ("microbatches", "eval_rows", "eval_steps"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
     return preset
@@ -83,9 +91,6 @@ class Sentences(NamedTuple):
 
 def load_sentences(cfg: Config, preset) -> Sentences:
     """The classifier's tokenizer, the training and held-out rows (``text``, ``label``) and the label names."""
-    from my_utils.core.data import load_classification
-    from my_utils.core.models import load_tokenizer
-
     train_rows, eval_rows, labels = load_classification(preset.classification_data, eval_rows=cfg.eval_rows,
                                                         seed=cfg.seed)
     return Sentences(load_tokenizer(preset, role="classifier"), train_rows, eval_rows, labels)
@@ -93,7 +98,7 @@ def load_sentences(cfg: Config, preset) -> Sentences:
 
 def global_batch(cfg: Config, world_size: int) -> int:
     """Examples per optimizer step over all processes: DDP has one model replica per process, a pipeline one."""
-    return cfg.batch_size * (world_size if cfg.parallel == "ddp" else 1)
+    return cfg.local_batch_size * (world_size if cfg.parallel == "ddp" else 1)
 
 
 def whole_batches(rows: list, batch: int) -> list:
@@ -114,27 +119,24 @@ def check_world(cfg: Config, world_size: int) -> None:
 def resolve(cfg: Config, preset, world_size: int, sentences: Sentences) -> Config:
     """Every default settled, as run.json records it: the batch size, the learning rate, the steps, the sentence
     length (the longest sentence, at most the preset's) and the adapter; refuses what cannot split evenly."""
-    from my_utils.core.data import check_enough_rows
-
     check_world(cfg, world_size)
     replicas = world_size if cfg.parallel == "ddp" else 1
-    if cfg.batch_size is None and preset.batch_size % replicas:
+    if cfg.local_batch_size is None and preset.batch_size % replicas:
         raise UserError(f"The preset's batch of {preset.batch_size} does not split over {replicas} processes; "
-                        "give --batch-size (examples per process).")
-    cfg = replace(cfg, batch_size=cfg.batch_size or preset.batch_size // replicas, num_processes=world_size)
-    if cfg.parallel == "pipeline" and cfg.batch_size % cfg.microbatches:
-        raise UserError(f"A batch of {cfg.batch_size} does not split into {cfg.microbatches} equal micro-batches; "
-                        "choose a --batch-size that is a multiple of --microbatches.")
+                        "give --local-batch-size (examples per process).")
+    cfg = replace(cfg, local_batch_size=cfg.local_batch_size or preset.batch_size // replicas, num_processes=world_size)
+    if cfg.parallel == "pipeline" and cfg.local_batch_size % cfg.microbatches:
+        raise UserError(f"A batch of {cfg.local_batch_size} does not split into {cfg.microbatches} equal "
+                        "micro-batches; choose a --local-batch-size that is a multiple of --microbatches.")
     batch = global_batch(cfg, world_size)
     check_enough_rows(len(sentences.train), batch)
     scored = whole_batches(sentences.eval, batch)
     if not scored:
-        raise UserError(f"Fewer eval rows than one batch of {batch}; raise --eval-rows or lower --batch-size.")
+        raise UserError(f"Fewer eval rows than one batch of {batch}; raise --eval-rows or lower --local-batch-size.")
     longest = max(len(sentences.tokenizer(r["text"])["input_ids"]) for r in sentences.train + scored)
-    tuned = LEARNING_RATES.get(cfg.preset, {}).get(cfg.method)
     settled = cfg.settled(preset, cfg.method)
     return replace(cfg, max_steps=settled["max_steps"], max_length=min(longest, settled["max_length"]),
-                   learning_rate=cfg.learning_rate or tuned or settled["learning_rate"],
+                   learning_rate=settled["learning_rate"],
                    adapter=cfg.adapter.resolved(preset.classifier_lora_targets))
 
 
@@ -174,8 +176,6 @@ class Replicated:
     def __init__(self, model, cfg: Config, world_size: int, rank: int, device: str, eval_set: dict):
         from accelerate import Accelerator
 
-        from my_utils.run.launch import is_cpu_only
-
         self.device, self.eval_set, self.eval_batch = device, eval_set, global_batch(cfg, world_size)
         self.last = 0  # the process that reports losses and accuracy
         # region: data parallel
@@ -183,7 +183,8 @@ class Replicated:
         self.held = model.to(device)  # the weights this process holds: all of them
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.model = self.accelerator.prepare(model)  # DDP wrapper under ddp; unchanged on one process
-        self.mine = slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)  # this process's share of a batch
+        # this process's share of a batch
+        self.mine = slice(rank * cfg.local_batch_size, (rank + 1) * cfg.local_batch_size)
         # endregion
         self.rank = rank
 
@@ -198,8 +199,6 @@ class Replicated:
         return float(self.accelerator.reduce(loss.detach(), "mean"))
 
     def evaluate(self) -> float | None:
-        from my_utils.core.evaluation import accuracy
-
         score = None
         if self.rank == 0:  # the other processes wait; every copy holds the same weights
             n, size = len(self.eval_set["labels"]), self.eval_batch
@@ -217,12 +216,10 @@ class Staged:
         import torch
         import torch.nn.functional as F
 
-        from my_utils.workflows.pipeline_parallel import make_schedule, pipeline_stage
-
-        self.device, self.eval_set, self.eval_batch = device, eval_set, cfg.batch_size
+        self.device, self.eval_set, self.eval_batch = device, eval_set, cfg.local_batch_size
         self.last = world_size - 1  # the last stage computes the loss and the predictions
         # region: pipeline parallel
-        micro = cfg.batch_size // cfg.microbatches
+        micro = cfg.local_batch_size // cfg.microbatches
         example = (eval_set["input_ids"][:micro],), {"attention_mask": eval_set["attention_mask"][:micro]}
         # traced on the CPU; build_stage then moves this process's stage to its device
         self.stage, _ = pipeline_stage(model, world_size, rank, torch.device(device), *example)
@@ -269,14 +266,6 @@ def train(cfg: Config) -> dict:
     import torch.distributed as dist
     from accelerate.utils import set_seed  # (transformers.set_seed would import peft and bitsandbytes: seconds)
 
-    from my_utils.core.devices import per_rank_device
-    from my_utils.core.memory import reset_peak, snapshot
-    from my_utils.core.models import add_adapter, build_classifier, count_parameters
-    from my_utils.core.printing import print0
-    from my_utils.run.callbacks import gradient_bytes, memory_breakdown, model_weight_bytes, optimizer_state_bytes
-    from my_utils.run.lifecycle import join_world, run_lifecycle
-    from my_utils.workflows.pipeline_parallel import disable_dropout
-
     preset = validate(cfg)
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     set_seed(cfg.seed)
@@ -315,6 +304,7 @@ def train(cfg: Config) -> dict:
             history.append({"step": step, "loss": runner.train_step(train_set, indices)})
             if step == 1:
                 gradients = gradient_bytes(runner.held)  # held from backward until zero_grad
+            check_finite(step, history[-1]["loss"], runner.trainable, cfg.learning_rate)
             optimizer.step()
             decay.step()
             if step == 1:
@@ -325,7 +315,7 @@ def train(cfg: Config) -> dict:
                 history.append({"step": step, "eval_accuracy": runner.evaluate()})
         end = snapshot(device)
         reports = life.gather({
-            "rank": rank, "world_size_seen": world_size, "begin": begin, "end": end, "history": history,
+            "process": rank, "world_size_seen": world_size, "begin": begin, "end": end, "history": history,
             "trainable": sum(p.numel() for p in runner.trainable),
             "breakdown": memory_breakdown(model_weight_bytes(runner.held), gradients, optimizer_states, begin, end)})
         if life.is_main:
@@ -341,9 +331,6 @@ def train(cfg: Config) -> dict:
 def summarize(cfg: Config, world_size: int, reports: list, history: list, params: dict, *, num_labels: int,
               eval_rows: int, train_time: float) -> dict:
     """summary.json: accuracy curve, losses, speed, and what every process held."""
-    from my_utils.core.memory import peak_bytes
-    from my_utils.run.lifecycle import process_group_backend
-
     curve = [(h["step"], h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
     losses = [h["loss"] for h in history if "loss" in h]
     per_rank_peak = [peak_bytes(r["end"]) for r in reports]
@@ -352,8 +339,8 @@ def summarize(cfg: Config, world_size: int, reports: list, history: list, params
         "workflow": "classification", "preset": cfg.preset, "method": cfg.method, "parallel": cfg.parallel,
         "world_size": world_size, "world_sizes_seen": [r["world_size_seen"] for r in reports],
         "backend": process_group_backend(),
-        "batch_size": cfg.batch_size,  # per process (DDP), or the whole pipeline's
-        "effective_batch": effective_batch,
+        "local_batch_size": cfg.local_batch_size,  # per process (DDP), or the whole pipeline's
+        "global_batch_size": effective_batch,
         "microbatches": cfg.microbatches if cfg.parallel == "pipeline" else None,
         "max_length": cfg.max_length, "steps": cfg.max_steps, "learning_rate": cfg.learning_rate,
         "eval_rows": eval_rows, "num_labels": num_labels,
@@ -367,7 +354,7 @@ def summarize(cfg: Config, world_size: int, reports: list, history: list, params
         "trainable_params_per_rank": [r["trainable"] for r in reports],
         "total_params": params["total"],
         # per process: snapshots, and the peak split into weights, gradients, optimizer states, activations
-        "memory": [{k: r[k] for k in ("rank", "begin", "end", "breakdown")} for r in reports],
+        "memory": [{k: r[k] for k in ("process", "begin", "end", "breakdown")} for r in reports],
         "peak_memory_per_rank": per_rank_peak,
         "model_state_per_rank": [sum(r["breakdown"][k] for k in ("weights", "gradients", "optimizer_states"))
                                  for r in reports],
@@ -375,22 +362,4 @@ def summarize(cfg: Config, world_size: int, reports: list, history: list, params
     }
 
 
-DESCRIPTION = ("Full fine-tuning or LoRA of a sentence classifier, on one process, with DDP or as a 2-stage pipeline. "
-               "Launch DDP and pipeline runs with `ACCELERATE_USE_CPU=1 accelerate launch --config_file "
-               "configs/cpu_x2.yaml -m my_utils.workflows.classification ...`. Writes a results folder and prints its summary.")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.classification", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="classification")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

@@ -24,32 +24,40 @@ import time
 from dataclasses import dataclass, replace
 
 from my_utils import UserError
-from my_utils.core.printing import get_world_size
-from my_utils.run.config import RunSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.printing import get_world_size, print0, rank_print
+from my_utils.core.stats import check_tolerances
+from my_utils.run.cli import command_line
+from my_utils.run.config import RunSettings, check_positive, setting
+from my_utils.run.lifecycle import join_world, process_group_backend, run_lifecycle
 
 MAX_CHECK_BYTES = 4 * 2**30  # a laptop's share for the reference attention the ring is checked against
+
+
+DESCRIPTION = ("Context parallel: causal ring attention over a sequence split by position, checked against whole-"
+               "sequence attention (output and gradients). Needs 2+ processes: torchrun --nproc_per_node 2 -m "
+               "my_utils.workflows.context_parallel ..., or (on a CPU) ACCELERATE_USE_CPU=1 accelerate launch "
+               "--config_file configs/cpu_x2.yaml -m ...")
 
 
 @dataclass
 class Config(RunSettings):
     seq_len: int = setting(512, "positions per sequence, split into one block per process")
-    batch_size: int = setting(2, "sequences")
+    global_batch_size: int = setting(2, "sequences")
     heads: int = setting(4, "attention heads")
     head_dim: int = setting(32, "features per head")
 
 
 def validate(cfg: Config) -> None:
     """Check the config before any process group starts."""
-    from my_utils.run.config import check_positive
-
     cfg.check_common()
-    for name in ("seq_len", "batch_size", "heads", "head_dim"):
+    for name in ("seq_len", "global_batch_size", "heads", "head_dim"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
-    scores = cfg.batch_size * cfg.heads * cfg.seq_len**2 * 4  # the whole-attention check's float32 scores, at most
+    # the whole-attention check's float32 scores, at most
+    scores = cfg.global_batch_size * cfg.heads * cfg.seq_len**2 * 4
     if scores > MAX_CHECK_BYTES:
         raise UserError(f"The check against whole attention could hold {scores / 2**30:.0f} GiB of scores at --seq-len "
-                        f"{cfg.seq_len}; lower --seq-len, --batch-size or --heads.")
+                        f"{cfg.seq_len}; lower --seq-len, --global-batch-size or --heads.")
     world_size = cfg.num_processes or get_world_size()
     if cfg.seq_len % world_size:
         raise UserError(f"--seq-len {cfg.seq_len} does not split into {world_size} equal blocks; make it a "
@@ -150,10 +158,15 @@ def ring_attention(ring: Ring):
     return RingAttention.apply
 
 
+# The largest difference from whole attention that counts as equal: float32 rounding of the same sums in another
+# order (the reference runs differ by at most 4e-6)
+TOLERANCES = {"max_abs_diff": 1e-5}
+
+
 def ring_bytes(cfg: Config, world_size: int, element_size: int = 4) -> dict:
     """Bytes each process sends per step, by arithmetic: forward passes K and V on N - 1 times; backward passes K, V
     on N - 1 times and their gradients N times."""
-    block = cfg.batch_size * cfg.heads * (cfg.seq_len // world_size) * cfg.head_dim * element_size
+    block = cfg.global_batch_size * cfg.heads * (cfg.seq_len // world_size) * cfg.head_dim * element_size
     return {"forward": 2 * (world_size - 1) * block, "backward": 2 * (world_size - 1) * block + 2 * world_size * block}
 
 
@@ -163,7 +176,7 @@ def check_against_full_attention(cfg: Config, ring: Ring) -> dict:
     import torch.nn.functional as F
 
     torch.manual_seed(cfg.seed)  # the same whole tensors on every process
-    shape = (cfg.batch_size, cfg.heads, cfg.seq_len, cfg.head_dim)
+    shape = (cfg.global_batch_size, cfg.heads, cfg.seq_len, cfg.head_dim)
     q, k, v, grad = (torch.randn(shape) for _ in range(4))
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*whole, is_causal=True)
@@ -187,9 +200,6 @@ def train(cfg: Config) -> dict:
     """Run the ring-attention check on every process; returns the summary on every rank (rank 0 writes it)."""
     import torch.distributed as dist
 
-    from my_utils.core.printing import print0, rank_print
-    from my_utils.run.lifecycle import join_world, process_group_backend, run_lifecycle
-
     validate(cfg)
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     if world_size < 2:
@@ -201,40 +211,23 @@ def train(cfg: Config) -> dict:
         report = check_against_full_attention(cfg, Ring())
         rank_print(f"{report['blocks_computed']} of {world_size} blocks computed; largest difference from whole "
                    f"attention {max(report['max_abs_diff'].values()):.1e}")
-        reports = life.gather({"rank": dist.get_rank(), "world_size_seen": dist.get_world_size(), **report})
+        reports = life.gather({"process": dist.get_rank(), "world_size_seen": dist.get_world_size(), **report})
         summary = None
         if life.is_main:
             summary = {"workflow": "context_parallel", "world_size": world_size, "backend": process_group_backend(),
                        "world_sizes_seen": [r["world_size_seen"] for r in reports],
-                       "seq_len": cfg.seq_len, "batch_size": cfg.batch_size, "heads": cfg.heads,
+                       "seq_len": cfg.seq_len, "global_batch_size": cfg.global_batch_size, "heads": cfg.heads,
                        "head_dim": cfg.head_dim, "block_len": cfg.seq_len // world_size,
                        "max_abs_diff": {k: max(r["max_abs_diff"][k] for r in reports) for k in reports[0]["max_abs_diff"]},
+                       "tolerances": TOLERANCES,
                        "bytes_sent": [r["bytes_sent"] for r in reports], "bytes_expected": ring_bytes(cfg, world_size),
                        "blocks_computed": [r["blocks_computed"] for r in reports],
                        "forward_s": [r["forward_s"] for r in reports]}
         life.finish(summary)
         print0(f"ring attention over {world_size} processes: largest difference from whole attention "
                f"{max(life.summary['max_abs_diff'].values()):.1e}")
+    check_tolerances(life.summary, "Ring attention and whole attention")
     return life.summary
 
 
-DESCRIPTION = ("Context parallel: causal ring attention over a sequence split by position, checked against whole-"
-               "sequence attention (output and gradients). Needs 2+ processes: torchrun --nproc_per_node 2 -m "
-               "my_utils.workflows.context_parallel ..., or (on a CPU) ACCELERATE_USE_CPU=1 accelerate launch "
-               "--config_file configs/cpu_x2.yaml -m ...")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.context_parallel", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="context_parallel")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

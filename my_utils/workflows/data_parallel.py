@@ -26,15 +26,28 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from my_utils import UserError
-from my_utils.run.config import TrainingSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils.core.blocks import block_dataset
+from my_utils.core.data import check_enough_rows
+from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.printing import print0
+from my_utils.run.cli import command_line
+from my_utils.run.config import GlobalBatchSettings, check_positive, setting
+from my_utils.run.divergence import check_finite
+from my_utils.run.lifecycle import join_world, run_lifecycle
+from my_utils.workflows.ddp_common import (build_model, throughput, untimed_steps, validate_common, worker_report,
+                                           write_worker_report)
+
+
+DESCRIPTION = ("Full fine-tuning with torch.nn.DataParallel: one process splits each batch over every GPU (on a "
+               "CPU-only machine it runs on the CPU, unsplit). Writes a results folder and prints its summary.")
 
 
 @dataclass
-class Config(TrainingSettings):
-    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 16, "max_steps": 10, "max_length": 128}
-    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per step, the whole batch of the one process: DataParallel "
-                                                  "cuts it over the GPUs", "max_length": "tokens per packed block"}
+class Config(GlobalBatchSettings):
+    TRAINING_DEFAULTS: ClassVar[dict] = {"global_batch_size": 16, "max_steps": 10, "max_length": 128}
+    SETTING_HELP: ClassVar[dict] = {"max_length": "tokens per packed block", "global_batch_size": "blocks per step, "
+                                    "the whole batch of the one process: DataParallel cuts it over the GPUs"}
     dropout: float = setting(0.0, "dropout probability everywhere")
     untimed_steps: int | None = setting(None, "first steps left out of the throughput figures (allocation, caches; "
                                         "default 2, fewer for shorter runs)")
@@ -44,9 +57,6 @@ class Config(TrainingSettings):
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
-    from my_utils.run.config import check_positive
-    from my_utils.workflows.ddp_common import validate_common
-
     preset = validate_common(cfg)
     check_positive("--logging-steps", cfg.logging_steps)
     return preset
@@ -55,8 +65,6 @@ def validate(cfg: Config):
 def resolve(cfg: Config, preset, gpus: list[int]) -> Config:
     """Every default settled, as run.json records it: the learning rate, the untimed steps, the GPUs and the one
     process."""
-    from my_utils.workflows.ddp_common import untimed_steps
-
     return replace(cfg, **cfg.settled(preset), untimed_steps=untimed_steps(cfg), num_gpus=len(gpus), num_processes=1)
 
 
@@ -96,19 +104,13 @@ def train(cfg: Config) -> dict:
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
-    from my_utils.core.data import check_enough_rows
-    from my_utils.core.memory import peak_bytes, reset_peak, snapshot
-    from my_utils.core.printing import print0
-    from my_utils.run.lifecycle import join_world, run_lifecycle
-    from my_utils.workflows.ddp_common import block_dataset, build_model, throughput, worker_report, write_worker_report
-
     preset = validate(cfg)
     check_single_process(join_world(cfg.num_processes, cfg.timeout_s))
     gpus = gpus_to_use(cfg.num_gpus)
     cfg = resolve(cfg, preset, gpus)
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)
     dataset = block_dataset(preset, cfg.max_length)
-    check_enough_rows(len(dataset), cfg.batch_size)
+    check_enough_rows(len(dataset), cfg.global_batch_size)
     name = f"{cfg.preset}_{'cuda_x' + str(len(gpus)) if gpus else 'cpu'}"
     with run_lifecycle(cfg, 1, default_dir=RUNS_ROOT / "data_parallel" / name, workflow="data_parallel") as life:
         # region: the wrapper
@@ -117,13 +119,14 @@ def train(cfg: Config) -> dict:
         model = build_model(preset, random_init=cfg.random_init, dropout=cfg.dropout, device_map={"": first})
         parallel = torch.nn.DataParallel(model, device_ids=gpus or None)
         write_worker_report(life.folder, worker_report(model, gpus_driven=gpus))
-        split = chunk_sizes(cfg.batch_size, len(gpus))
-        print0(f"DataParallel over {len(gpus)} GPU(s): each batch of {cfg.batch_size} is cut into {split}"
+        split = chunk_sizes(cfg.global_batch_size, len(gpus))
+        print0(f"DataParallel over {len(gpus)} GPU(s): each batch of {cfg.global_batch_size} is cut into {split}"
                if gpus else "No GPU: DataParallel calls the model directly on the CPU (one device, nothing to split).")
         # endregion
 
         generator = torch.Generator().manual_seed(cfg.seed)
-        loader = DataLoader(dataset, batch_size=cfg.batch_size, shuffle=True, drop_last=True, generator=generator)
+        loader = DataLoader(dataset, batch_size=cfg.global_batch_size, shuffle=True, drop_last=True,
+                            generator=generator)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
         devices = [f"cuda:{g}" for g in gpus] or ["cpu"]
         for device in devices:
@@ -145,6 +148,7 @@ def train(cfg: Config) -> dict:
                 out = parallel(**batch)
             loss = out.loss.mean()  # one loss per replica, gathered on the first device
             loss.backward()
+            check_finite(step, loss, model.parameters(), cfg.learning_rate)  # a diverged step stops here
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             # endregion
@@ -157,31 +161,16 @@ def train(cfg: Config) -> dict:
         life.finish({
             "workflow": "data_parallel", "preset": cfg.preset, "world_size": 1, "backend": None,
             "threads_per_process": torch.get_num_threads(), "devices_used": devices,
-            "chunk_sizes": split if gpus else [cfg.batch_size], "batch_size_per_process": cfg.batch_size,
-            "effective_batch": cfg.batch_size, "max_length": cfg.max_length, "learning_rate": cfg.learning_rate,
+            "chunk_sizes": split if gpus else [cfg.global_batch_size],
+            "global_batch_size": cfg.global_batch_size, "max_length": cfg.max_length,
+            "learning_rate": cfg.learning_rate,
             "steps": cfg.max_steps, "train_loss_first": losses[0], "train_loss_final": losses[-1],
-            "runtime_s": runtime, **throughput(cfg.max_steps - cfg.untimed_steps, cfg.batch_size, cfg.max_length, elapsed),
-            "memory": [{"rank": 0, "end": m} for m in memory],
+            "runtime_s": runtime,
+            **throughput(cfg.max_steps - cfg.untimed_steps, cfg.global_batch_size, cfg.max_length, elapsed),
+            "memory": [{"process": 0, "end": m} for m in memory],
             "peak_memory_bytes": max(peak_bytes(m) for m in memory),
         })
     return life.summary
 
 
-DESCRIPTION = ("Full fine-tuning with torch.nn.DataParallel: one process splits each batch over every GPU (on a "
-               "CPU-only machine it runs on the CPU, unsplit). Writes a results folder and prints its summary.")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.data_parallel", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="data_parallel")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

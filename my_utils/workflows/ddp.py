@@ -27,18 +27,33 @@ from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from my_utils.core.learning_rate import LR_SCALING
-from my_utils.run.config import TrainingSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils.core.blocks import block_dataset
+from my_utils.core.data import check_enough_rows
+from my_utils.core.devices import local_rank, per_rank_device, per_rank_device_map
+from my_utils.core.learning_rate import LR_SCALING, scale_learning_rate
+from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.printing import print0, rank_print
+from my_utils.run.cli import command_line
+from my_utils.run.config import LocalBatchSettings, check_choice, check_positive, setting
+from my_utils.run.divergence import check_finite
+from my_utils.run.lifecycle import join_world, run_lifecycle
+from my_utils.workflows.ddp_common import (build_model, throughput, untimed_steps, validate_common, worker_report,
+                                           write_worker_report)
 
 OPTIMIZERS = ("adamw", "sgd")
 
 
+DESCRIPTION = ("Full fine-tuning with DistributedDataParallel in raw PyTorch. Writes a results folder and prints its "
+               "summary. Several processes: `torchrun --nproc_per_node 2 -m my_utils.workflows.ddp` or (on a CPU) "
+               "`ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp`.")
+
+
 @dataclass
-class Config(TrainingSettings):
-    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 8, "max_steps": 20, "max_length": 128}
-    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per micro-batch: the global batch is "
-                                                  "batch_size x grad_accum x processes",
+class Config(LocalBatchSettings):
+    TRAINING_DEFAULTS: ClassVar[dict] = {"local_batch_size": 8, "max_steps": 20, "max_length": 128}
+    SETTING_HELP: ClassVar[dict] = {"local_batch_size": "blocks per process per micro-batch: the global batch is "
+                                                        "local_batch_size x grad_accum x processes",
                                     "max_length": "tokens per packed block"}
     grad_accum: int = setting(1, "micro-batches per optimizer step")
     lr_scaling: str = setting("none", "scale the learning rate from the preset's batch to the global batch",
@@ -54,9 +69,6 @@ class Config(TrainingSettings):
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
-    from my_utils.run.config import check_choice, check_positive
-    from my_utils.workflows.ddp_common import validate_common
-
     preset = validate_common(cfg)
     check_choice("learning-rate scaling", cfg.lr_scaling, LR_SCALING)
     check_choice("optimizer", cfg.optimizer, OPTIMIZERS)
@@ -67,16 +79,12 @@ def validate(cfg: Config):
 def resolve(cfg: Config, preset, world_size: int) -> Config:
     """Every default settled, as run.json records it: the learning rate (before ``--lr-scaling``, as given; the
     summary records the rate used) and the untimed steps."""
-    from my_utils.workflows.ddp_common import untimed_steps
-
     return replace(cfg, **cfg.settled(preset), untimed_steps=untimed_steps(cfg), num_processes=world_size)
 
 
 def step_learning_rate(cfg: Config, preset, world_size: int) -> float:
     """The rate the optimizer uses: ``cfg.learning_rate`` scaled from the preset's batch to the global batch."""
-    from my_utils.core.learning_rate import scale_learning_rate
-
-    return scale_learning_rate(cfg.learning_rate, cfg.batch_size * cfg.grad_accum * world_size, preset.batch_size,
+    return scale_learning_rate(cfg.learning_rate, cfg.global_batch(world_size), preset.batch_size,
                                cfg.lr_scaling)
 
 
@@ -126,20 +134,13 @@ def train(cfg: Config) -> dict:
     from torch.utils.data import DataLoader, DistributedSampler
     from tqdm.auto import tqdm
 
-    from my_utils.core.data import check_enough_rows
-    from my_utils.core.devices import local_rank, per_rank_device, per_rank_device_map
-    from my_utils.core.memory import reset_peak, snapshot
-    from my_utils.core.printing import print0, rank_print
-    from my_utils.run.lifecycle import join_world, run_lifecycle
-    from my_utils.workflows.ddp_common import block_dataset, build_model, worker_report, write_worker_report
-
     preset = validate(cfg)
     init_process_group()
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     cfg = resolve(cfg, preset, world_size)
     rank = dist.get_rank()
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)
-    global_batch = cfg.batch_size * cfg.grad_accum * world_size
+    global_batch = cfg.global_batch(world_size)
     learning_rate = step_learning_rate(cfg, preset, world_size)
     dataset = block_dataset(preset, cfg.max_length)
     check_enough_rows(len(dataset), global_batch)
@@ -159,10 +160,10 @@ def train(cfg: Config) -> dict:
         # Each rank reads a different 1/world_size of every epoch's shuffled order.
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg.seed,
                                      drop_last=True)
-        loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+        loader = DataLoader(dataset, batch_size=cfg.local_batch_size, sampler=sampler, drop_last=True)
         optimizer = make_optimizer(cfg.optimizer, model.parameters(), learning_rate)
-        print0(f"{len(dataset)} blocks of {cfg.max_length} tokens; global batch {global_batch} = {cfg.batch_size} "
-               f"x {cfg.grad_accum} accumulation x {world_size} processes; learning rate {learning_rate:g}")
+        print0(f"{len(dataset)} blocks of {cfg.max_length} tokens; global batch {global_batch} = "
+               f"{cfg.local_batch_size} x {cfg.grad_accum} accumulation x {world_size} processes; learning rate {learning_rate:g}")
 
         stream = batches_forever(loader, sampler)
         losses = []
@@ -180,6 +181,7 @@ def train(cfg: Config) -> dict:
                     loss = model(**batch).loss / cfg.grad_accum
                     loss.backward()
                 step_loss += loss.detach()
+            check_finite(step, step_loss, model.parameters(), learning_rate)  # a diverged step stops here
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)  # for the log only: the mean over ranks
@@ -192,7 +194,7 @@ def train(cfg: Config) -> dict:
         timing = {"elapsed": time.perf_counter() - started, "runtime": time.perf_counter() - loop_started}
         # CPU seconds of this process (all its threads, gloo's included) over the timed steps: on a shared machine
         # they tell the work done apart from the time spent waiting for a core.
-        per_rank = life.gather({"rank": rank, "end": snapshot(device), "cpu_seconds": time.process_time() - cpu_started})
+        per_rank = life.gather({"process": rank, "end": snapshot(device), "cpu_seconds": time.process_time() - cpu_started})
         if life.is_main and cfg.save_model:
             model.module.save_pretrained(life.folder / "model", safe_serialization=True)
         life.finish(summarize(cfg, world_size, learning_rate, losses, timing, per_rank, report) if life.is_main
@@ -205,14 +207,11 @@ def summarize(cfg: Config, world_size: int, learning_rate: float, losses: list, 
     """The summary of a finished run (rank 0): settings, losses, throughput over the timed steps, memory per rank."""
     import torch
 
-    from my_utils.core.memory import peak_bytes
-    from my_utils.workflows.ddp_common import throughput
-
-    global_batch = cfg.batch_size * cfg.grad_accum * world_size
+    global_batch = cfg.global_batch(world_size)
     return {
         "workflow": "ddp", "preset": cfg.preset, "world_size": world_size, "backend": report["backend"],
-        "threads_per_process": torch.get_num_threads(), "batch_size_per_process": cfg.batch_size,
-        "grad_accum": cfg.grad_accum, "effective_batch": global_batch, "max_length": cfg.max_length,
+        "threads_per_process": torch.get_num_threads(), "local_batch_size": cfg.local_batch_size,
+        "grad_accum": cfg.grad_accum, "global_batch_size": global_batch, "max_length": cfg.max_length,
         "learning_rate": learning_rate, "steps": cfg.max_steps,
         "train_loss_first": losses[0], "train_loss_final": losses[-1], "runtime_s": timing["runtime"],
         **throughput(cfg.max_steps - cfg.untimed_steps, global_batch, cfg.max_length, timing["elapsed"]),
@@ -221,22 +220,4 @@ def summarize(cfg: Config, world_size: int, learning_rate: float, losses: list, 
     }
 
 
-DESCRIPTION = ("Full fine-tuning with DistributedDataParallel in raw PyTorch. Writes a results folder and prints its "
-               "summary. Several processes: `torchrun --nproc_per_node 2 -m my_utils.workflows.ddp` or (on a CPU) "
-               "`ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.ddp`.")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.ddp", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="ddp")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

@@ -16,9 +16,23 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from my_utils.run.config import parse_config
-from my_utils.run.results import RUNS_ROOT
+from my_utils.core.blocks import block_dataset
+from my_utils.core.data import check_enough_rows
+from my_utils.core.devices import per_rank_device, per_rank_device_map
+from my_utils.core.memory import peak_bytes
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.printing import print0, rank_print
+from my_utils.run.callbacks import make_callbacks
+from my_utils.run.cli import command_line
+from my_utils.run.divergence import finite_callback
+from my_utils.run.launch import is_cpu_only
+from my_utils.run.lifecycle import join_world, process_group_backend, run_lifecycle
 from my_utils.workflows.ddp import Config, resolve, step_learning_rate, validate
+from my_utils.workflows.ddp_common import build_model, throughput, worker_report, write_worker_report
+
+
+DESCRIPTION = ("The DDP lesson's training with the transformers Trainer (no distributed code: the launcher decides "
+               "the number of processes). Writes a results folder and prints its summary.")
 
 
 def train(cfg: Config) -> dict:
@@ -26,17 +40,10 @@ def train(cfg: Config) -> dict:
     preset = validate(cfg)
     from transformers import Trainer
 
-    from my_utils.core.data import check_enough_rows
-    from my_utils.core.devices import per_rank_device, per_rank_device_map
-    from my_utils.core.printing import print0, rank_print
-    from my_utils.run.callbacks import make_callbacks
-    from my_utils.run.lifecycle import join_world, run_lifecycle
-    from my_utils.workflows.ddp_common import block_dataset, build_model, worker_report, write_worker_report
-
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     cfg = resolve(cfg, preset, world_size)
     learning_rate = step_learning_rate(cfg, preset, world_size)
-    global_batch = cfg.batch_size * cfg.grad_accum * world_size
+    global_batch = cfg.global_batch(world_size)
     dataset = block_dataset(preset, cfg.max_length)
     check_enough_rows(len(dataset), global_batch)
     default_dir = RUNS_ROOT / "ddp_trainer" / f"{cfg.preset}_x{world_size}"
@@ -45,7 +52,7 @@ def train(cfg: Config) -> dict:
                             device_map=per_rank_device_map())
         memory_cb, metrics_cb = make_callbacks(life.run, per_rank_device())
         trainer = Trainer(model=model, args=training_arguments(cfg, life.folder, learning_rate), train_dataset=dataset,
-                          callbacks=[c for c in (memory_cb, metrics_cb) if c])
+                          callbacks=[c for c in (memory_cb, metrics_cb, finite_callback()) if c])
         report = worker_report(trainer.model)
         write_worker_report(life.folder, report)
         rank_print(f"world size {report['world_size']}, backend {report['backend']}, model on {report['model_device']}")
@@ -64,11 +71,9 @@ def training_arguments(cfg: Config, folder: Path, learning_rate: float):
     """The Trainer's settings for the raw DDP loop's ``cfg`` (resolved): the same optimizer, rate and steps."""
     from transformers import TrainingArguments
 
-    from my_utils.run.launch import is_cpu_only
-
     return TrainingArguments(
         output_dir=str(folder / "trainer"),
-        per_device_train_batch_size=cfg.batch_size,
+        per_device_train_batch_size=cfg.local_batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
         learning_rate=learning_rate,
         optim="sgd" if cfg.optimizer == "sgd" else "adamw_torch",
@@ -90,11 +95,7 @@ def build_summary(cfg: Config, world_size: int, learning_rate: float, trainer, e
     """summary.json, under the raw DDP workflow's names."""
     import torch
 
-    from my_utils.core.memory import peak_bytes
-    from my_utils.run.lifecycle import process_group_backend
-    from my_utils.workflows.ddp_common import throughput
-
-    global_batch = cfg.batch_size * cfg.grad_accum * world_size
+    global_batch = cfg.global_batch(world_size)
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     return {
         "workflow": "ddp_trainer",
@@ -102,9 +103,9 @@ def build_summary(cfg: Config, world_size: int, learning_rate: float, trainer, e
         "world_size": world_size,
         "backend": process_group_backend(),
         "threads_per_process": torch.get_num_threads(),
-        "batch_size_per_process": cfg.batch_size,
+        "local_batch_size": cfg.local_batch_size,
         "grad_accum": cfg.grad_accum,
-        "effective_batch": global_batch,
+        "global_batch_size": global_batch,
         "max_length": cfg.max_length,
         "learning_rate": learning_rate,
         "steps": trainer.state.global_step,
@@ -118,21 +119,4 @@ def build_summary(cfg: Config, world_size: int, learning_rate: float, trainer, e
     }
 
 
-DESCRIPTION = ("The DDP lesson's training with the transformers Trainer (no distributed code: the launcher decides "
-               "the number of processes). Writes a results folder and prints its summary.")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.ddp_trainer", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="ddp_trainer")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

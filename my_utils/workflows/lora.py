@@ -20,8 +20,9 @@ The adapter's flags (``--adapter-config --rank --alpha --targets --dropout --rsl
 and a new peft method is one JSON file.
 
 Checkpoints and resuming (the same results folder continues; its losses match an uninterrupted run). A crash
-resumes from the newest whole checkpoint; a SIGTERM (a scheduler preempting the job) stops every rank at the
-end of the same step (on several processes, the next one) with a checkpoint; a rank that dies, hangs or is
+resumes from the newest whole checkpoint; a SIGTERM (a scheduler preempting the job) or SIGUSR1 (SLURM's warning
+before the time limit; exit 75, which configs/slurm/preemptible.sbatch requeues on) stops every rank at the end
+of the same step (on several processes, the next one) with a checkpoint; a rank that dies, hangs or is
 stopped ends the job soon after --timeout-s, named:
 
     python -m my_utils.workflows.lora --preset tiny --save-steps 20 --output-dir runs/lora/mine
@@ -43,11 +44,26 @@ from typing import ClassVar
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.core.adapters import PROMPT_LEARNING, AdapterSpec, complete_adapter_folder
-from my_utils.core.learning_rate import LR_SCALING
-from my_utils.core.models import QUANTIZE_CHOICES
-from my_utils.run.config import TrainingSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils.core.adapters import LORA, PROMPT_LEARNING, AdapterSpec, complete_adapter_folder, method_label
+from my_utils.core.chunked_loss import use_chunked_loss
+from my_utils.core.data import (INSTRUCTION_COLUMNS, check_enough_rows, check_text_columns, load_instructions,
+                                pack_examples, packed_collator, padding_collator, read_jsonl, tokenize_instructions)
+from my_utils.core.devices import fast_bf16, meta_model, per_rank_device, per_rank_device_map
+from my_utils.core.evaluation import SIMILARITY_SCORER, answer_quality, held_out_loss
+from my_utils.core.learning_rate import LR_SCALING, scale_learning_rate
+from my_utils.core.memory import peak_bytes
+from my_utils.core.models import (QUANTIZE_CHOICES, add_adapter, build_causal_lm, check_lora_targets, count_parameters,
+                                  load_tokenizer, max_positions)
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.printing import print0
+from my_utils.run.callbacks import TokenCounter, make_callbacks
+from my_utils.run.cli import command_line
+from my_utils.run.config import LocalBatchSettings, check_choice, check_positive, setting
+from my_utils.run.faults import course_trainer_class, name_stopped_ranks, reliability_callbacks
+from my_utils.run.launch import OUTPUT_LOGGED, check_process_count, is_cpu_only
+from my_utils.run.lifecycle import (check_resumable, join_world, process_group_backend, resume_after_restart,
+                                    run_lifecycle)
+from my_utils.run.signals import Preempted, Sigterm
 
 METHODS = ("lora", "full")
 MIXED_PRECISION = ("auto", "no", "fp16", "bf16")
@@ -59,10 +75,15 @@ RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "num_processes", "timeout
                                "skip_generation_eval", "max_new_tokens"})
 
 
+DESCRIPTION = ("LoRA / QLoRA / full fine-tuning of a causal LM on instruction data. Writes a results folder and prints "
+               "its summary. Launch with `ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m "
+               "my_utils.workflows.lora ...` for several processes.")
+
+
 @dataclass
-class Config(TrainingSettings):
+class Config(LocalBatchSettings):
     SETTING_HELP: ClassVar[dict] = {
-        "batch_size": "examples per process per micro-batch",
+        "local_batch_size": "examples per process per micro-batch",
         "learning_rate": "the rate at the preset's batch (default: the preset's for LoRA, its full fine-tuning "
                          "rate or a tenth of LoRA's for full fine-tuning); --lr-scaling scales it to the effective batch, and summary.json records the "
                          "rate that ran"}
@@ -71,9 +92,9 @@ class Config(TrainingSettings):
     adapter: AdapterSpec | None = setting(AdapterSpec, "the adapter (method lora; run.json records null for full "
                                           "fine-tuning, which has none)")
     quantize: str = setting("none", "load the base model in 8-bit or 4-bit NF4 (QLoRA)", choices=QUANTIZE_CHOICES)
-    grad_accum: int = setting(1, "micro-batches per optimizer step: the effective batch is batch_size x "
+    grad_accum: int = setting(1, "micro-batches per optimizer step: the global batch is local_batch_size x "
                               "grad_accum x processes")
-    lr_scaling: str = setting("none", "scale the learning rate from the preset's batch to the effective batch",
+    lr_scaling: str = setting("none", "scale the learning rate from the preset's batch to the global batch",
                               choices=LR_SCALING)
     lr_scheduler: str | None = setting(None, "learning-rate schedule (default: the preset's)", choices=LR_SCHEDULERS)
     # Batches of similar lengths pad less, but where length follows the task (as in the tiny data) every batch
@@ -82,7 +103,7 @@ class Config(TrainingSettings):
                                     "length follows the task)")
     packing: bool = setting(False, "pack the training examples into rows of --max-length tokens (best-fit "
                             "decreasing, trl's pack_dataset), each example attending only to itself: every "
-                            "micro-batch then holds about batch-size x max-length tokens, on every rank")
+                            "micro-batch then holds about local-batch-size x max-length tokens, on every rank")
     eval_rows: int = setting(100, "held-out rows for the loss, exact match and similarity")
     max_new_tokens: int = setting(16, "tokens generated per held-out answer")
     gradient_checkpointing: bool = setting(False, "trade compute for activation memory")
@@ -110,10 +131,6 @@ class Config(TrainingSettings):
 def validate(cfg: Config):
     """Check the settings before anything starts (nothing heavy is imported, nothing is written); returns the
     preset. Files are checked next, by ``load_inputs``, also before the results folder is touched."""
-    from my_utils.run.config import check_choice, check_positive
-    from my_utils.run.launch import check_process_count
-    from my_utils.run.lifecycle import check_resumable
-
     preset = cfg.check_common()
     preset.require("causal")
     check_choice("method", cfg.method, METHODS)
@@ -127,13 +144,10 @@ def validate(cfg: Config):
     check_choice("learning-rate scaling", cfg.lr_scaling, LR_SCALING)
     if cfg.lr_scheduler is not None:
         check_choice("learning-rate schedule", cfg.lr_scheduler, LR_SCHEDULERS)
-    for name in ("batch_size", "max_steps", "max_length", "save_steps"):
-        if getattr(cfg, name) is not None:
-            check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
+    if cfg.save_steps is not None:
+        check_positive("--save-steps", cfg.save_steps)
     for name in ("grad_accum", "eval_rows", "logging_steps", "max_new_tokens"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
-    if cfg.learning_rate is not None:
-        check_positive("--learning-rate", cfg.learning_rate, float)
     check_choice("mixed precision", cfg.mixed_precision, MIXED_PRECISION)
     if cfg.packing and cfg.group_by_length:
         raise UserError("--packing fills every row to --max-length, so there are no lengths left to group by; "
@@ -151,8 +165,6 @@ def validate(cfg: Config):
         check_resumable(cfg.output_dir, asdict(resolved), may_differ=RESUME_MAY_DIFFER, workflow="lora",
                         checkpoints=CHECKPOINTS)
     if cfg.mixed_precision == "fp16":
-        from my_utils.run.launch import is_cpu_only
-
         if is_cpu_only():
             raise UserError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no.")
     return preset
@@ -174,20 +186,14 @@ def resolve(cfg: Config, preset, world_size: int) -> Config:
 
 def training_learning_rate(cfg: Config, preset, world_size: int) -> float:
     """The rate the optimizer uses: ``cfg.learning_rate`` scaled by ``cfg.lr_scaling`` from the preset's batch to
-    the effective batch (batch_size x grad_accum x processes)."""
-    from my_utils.core.learning_rate import scale_learning_rate
-
-    effective_batch = cfg.batch_size * cfg.grad_accum * world_size
-    return scale_learning_rate(cfg.learning_rate, effective_batch, preset.batch_size, cfg.lr_scaling)
+    the global batch (local_batch_size x grad_accum x processes)."""
+    return scale_learning_rate(cfg.learning_rate, cfg.global_batch(world_size), preset.batch_size, cfg.lr_scaling)
 
 
 def default_mixed_precision(quantize: str) -> str:
     """bf16 where it trains faster than fp32 (``fast_bf16``: a GPU with bf16, a CPU with AMX), as trl's SFTConfig
     defaults to bf16 on such GPUs; fp32 elsewhere, where bf16 is slower even when the CPU computes it natively. A
     quantized model on a CPU keeps fp32 compute: bitsandbytes' CPU kernels are what the QLoRA lesson checks."""
-    from my_utils.core.devices import fast_bf16
-    from my_utils.run.launch import is_cpu_only
-
     if quantize != "none" and is_cpu_only():
         return "no"
     return "bf16" if fast_bf16() else "no"
@@ -197,12 +203,6 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
     """Read and check everything the run needs from files, before the results folder is touched: the model's
     config (LoRA targets, longest sequence), the tokenizer and the data. ``cfg`` is resolved (``resolve``). Returns
     the tokenizer, the tokenized sets and the held-out rows."""
-    from my_utils.core.data import (INSTRUCTION_COLUMNS, check_enough_rows, check_text_columns, load_instructions,
-                                    pack_examples, read_jsonl, tokenize_instructions)
-    from my_utils.core.adapters import LORA
-    from my_utils.core.devices import meta_model
-    from my_utils.core.models import add_adapter, check_lora_targets, load_tokenizer, max_positions
-
     shipped_config = preset.offline_config.get("causal")
     if shipped_config:  # the architecture on the meta device: every module name and limit, no weights
         model = meta_model(shipped_config)
@@ -226,7 +226,7 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
     train_set = tokenize_instructions(train_rows, tokenizer, cfg.max_length)
     if cfg.packing:
         train_set = pack_examples(train_set, cfg.max_length)
-    check_enough_rows(len(train_set), cfg.batch_size * cfg.grad_accum * world_size)
+    check_enough_rows(len(train_set), cfg.global_batch(world_size))
     return {
         "forgetting_set": tokenize_instructions(forgetting_rows, tokenizer, cfg.max_length) if forgetting_rows else None,
         "tokenizer": tokenizer,
@@ -238,8 +238,6 @@ def load_inputs(cfg: Config, preset, world_size: int) -> dict:
 
 def train(cfg: Config) -> dict:
     """Fine-tune and evaluate; returns the summary (on every rank; rank 0 also writes it)."""
-    from my_utils.run.lifecycle import join_world, resume_after_restart, run_lifecycle
-
     cfg = resume_after_restart(cfg)  # restarted by torchrun --max-restarts: go on from the newest checkpoint
     preset = validate(cfg)  # before any heavy import: bad settings fail in a fraction of a second
 
@@ -249,19 +247,12 @@ def train(cfg: Config) -> dict:
 
     from transformers import set_seed
 
-    from my_utils.core.chunked_loss import use_chunked_loss
-    from my_utils.core.data import packed_collator, padding_collator
-    from my_utils.core.devices import per_rank_device, per_rank_device_map
-    from my_utils.core.models import add_adapter, build_causal_lm, count_parameters
-    from my_utils.core.printing import print0
-    from my_utils.run.callbacks import TokenCounter, make_callbacks
-    from my_utils.run.faults import course_trainer_class, reliability_callbacks
-
     set_seed(cfg.seed)
     tokenizer, eval_rows = inputs["tokenizer"], inputs["eval_rows"]
     learning_rate = training_learning_rate(cfg, preset, world_size)
     device = per_rank_device()
-    default_dir = RUNS_ROOT / "lora" / f"{cfg.preset}_{method_label(cfg)}"
+    label = method_label(cfg.method, cfg.quantize, cfg.adapter.peft if cfg.adapter is not None else None)
+    default_dir = RUNS_ROOT / "lora" / f"{cfg.preset}_{label}"
     with run_lifecycle(cfg, world_size, default_dir=default_dir, checkpoints=CHECKPOINTS, workflow="lora") as life:
         # region: the model on each rank
         # Each process loads the whole model on the device of its local rank: {"": "cuda:<local rank>"} on GPUs.
@@ -321,12 +312,10 @@ def training_arguments(cfg: Config, folder: Path, learning_rate: float):
 
     from transformers import TrainingArguments
 
-    from my_utils.run.launch import OUTPUT_LOGGED, is_cpu_only
-
     return TrainingArguments(
         output_dir=str(folder / CHECKPOINTS),
-        per_device_train_batch_size=cfg.batch_size,
-        per_device_eval_batch_size=cfg.batch_size,
+        per_device_train_batch_size=cfg.local_batch_size,
+        per_device_eval_batch_size=cfg.local_batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
         learning_rate=learning_rate,
         lr_scheduler_type=cfg.lr_scheduler,
@@ -382,12 +371,9 @@ def _stop_if_already_trained():
 
 def _fit(trainer, checkpoint, stop, world_size: int, timeout_s: float):
     """``trainer.train()`` (from ``checkpoint`` when resuming; nothing left to train when it is the last step); a
-    rank that stopped is named, and a SIGTERM stop (with its checkpoint) becomes KeyboardInterrupt. Returns the
-    result and the seconds it took."""
+    rank that stopped is named, and a SIGTERM stop (with its checkpoint) becomes KeyboardInterrupt, a SIGUSR1 one
+    Preempted. Returns the result and the seconds it took."""
     from transformers.trainer_utils import TrainOutput
-
-    from my_utils.core.printing import print0
-    from my_utils.run.faults import name_stopped_ranks
 
     started = time.perf_counter()
     # The Trainer starts with a full garbage collection (accelerate's free_memory), which walks every object the
@@ -407,28 +393,31 @@ def _fit(trainer, checkpoint, stop, world_size: int, timeout_s: float):
     finally:
         gc.unfreeze()
     if stop.stopped:
-        from my_utils.run.signals import Sigterm
-
         step = trainer.state.global_step
-        raise KeyboardInterrupt(f"{Sigterm.name}; stopped after step {step} with {CHECKPOINTS}/checkpoint-{step}: "
-                                "the same command with --resume continues")
+        stopped = Preempted if Sigterm.name == "SIGUSR1" else KeyboardInterrupt
+        raise stopped(f"{Sigterm.name}; stopped after step {step} with {CHECKPOINTS}/checkpoint-{step}: "
+                      "the same command with --resume continues")
     return result, time.perf_counter() - started
 
 
 def _save_adapter(model, folder: Path) -> int:
-    """Save the adapter (safetensors) in ``folder``/adapter; returns the size of its weights file in bytes."""
-    model.save_pretrained(folder / "adapter", safe_serialization=True)
+    """Save the adapter (safetensors) in ``folder``/adapter; returns the size of its weights file in bytes. A write
+    the file system refuses (a full disk) is its one sentence (UserError), which the run records as it fails."""
+    try:
+        model.save_pretrained(folder / "adapter", safe_serialization=True)
+    except OSError as e:
+        refused = file_system_refusal(e)
+        if refused is None:
+            raise
+        raise UserError(refused) from None
     return (folder / "adapter" / "adapter_model.safetensors").stat().st_size
 
 
 def _loss_on(model, examples, tokenizer, cfg: Config) -> float | None:
     """``model``'s mean loss per predicted token on ``examples`` (``held_out_loss``); None without them."""
-    from my_utils.core.data import padding_collator
-    from my_utils.core.evaluation import held_out_loss
-
     if examples is None:
         return None
-    return held_out_loss(model, examples, padding_collator(tokenizer), cfg.batch_size, _autocast_dtype(cfg))
+    return held_out_loss(model, examples, padding_collator(tokenizer), cfg.local_batch_size, _autocast_dtype(cfg))
 
 
 def _autocast_dtype(cfg: Config):
@@ -437,44 +426,29 @@ def _autocast_dtype(cfg: Config):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.mixed_precision)
 
 
-def method_label(cfg: Config) -> str:
-    """full, the adapter's method (lora, ia3, prompt_tuning...), or qlora-4bit, qlora-8bit."""
-    if cfg.quantize != "none":
-        return f"qlora-{cfg.quantize}"
-    return (cfg.adapter or AdapterSpec()).method if cfg.method == "lora" else cfg.method
-
-
 def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, measured: dict,
                   adapter_bytes: int | None) -> dict:
-    """summary.json: the settings that ran (the adapter whole, and its fields at the top level as every reader
-    has them), the losses and quality before and after, speed, memory and sizes."""
-    from my_utils.core.evaluation import SIMILARITY_SCORER
-    from my_utils.core.memory import peak_bytes
-    from my_utils.run.lifecycle import process_group_backend
-
+    """summary.json: the settings that ran (the adapter once, in run.json: ``my_utils.core.records.adapter_of``), the
+    losses and quality before and after, speed, memory and sizes."""
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     steps = result.global_step
     start_step = int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else 0
     trained = steps > start_step
-    settled_batch = trainer.state.train_batch_size or cfg.batch_size  # smaller after an --auto-batch-size retry
+    settled_batch = trainer.state.train_batch_size or cfg.local_batch_size  # smaller after an --auto-batch-size retry
     effective_batch = settled_batch * cfg.grad_accum * world_size
-    adapter = asdict(cfg.adapter) if cfg.adapter is not None else None
     before, after, memory, runtime = measured["before"] or {}, measured["after"] or {}, measured["memory"], \
         measured["runtime"]
     return {
         "workflow": "lora",
         "preset": cfg.preset,
-        "method": method_label(cfg),
-        "peft_type": cfg.adapter.peft_type if cfg.adapter is not None else None,
-        "adapter": adapter,
-        **{key: (adapter or {}).get(key) for key in ("rank", "alpha", "rslora", "dora", "targets")},
+        "method": cfg.method,
         "world_size": world_size,
         "backend": process_group_backend(),
-        "batch_size_per_process": settled_batch,
-        "batch_size_requested": cfg.batch_size,
+        "local_batch_size": settled_batch,
+        "local_batch_size_requested": cfg.local_batch_size,
         "auto_batch_size": cfg.auto_batch_size,
         "grad_accum": cfg.grad_accum,
-        "effective_batch": effective_batch,
+        "global_batch_size": effective_batch,
         "learning_rate": measured["learning_rate"],  # the rate that ran: cfg.learning_rate scaled by lr_scaling
         "lr_scaling": cfg.lr_scaling,
         "mixed_precision": cfg.mixed_precision,
@@ -533,8 +507,6 @@ def _generation_eval(cfg, model, tokenizer, rows):
     """Exact match and similarity of greedy answers, on rank 0 (the other ranks wait); None when skipped."""
     from accelerate import PartialState
 
-    from my_utils.core.evaluation import answer_quality
-
     state = PartialState()
     quality = None
     if not cfg.skip_generation_eval and state.is_main_process:
@@ -555,22 +527,4 @@ def _quantization(model) -> dict | None:
             "compute_dtype": str(q.get("bnb_4bit_compute_dtype"))}
 
 
-DESCRIPTION = ("LoRA / QLoRA / full fine-tuning of a causal LM on instruction data. Writes a results folder and prints "
-               "its summary. Launch with `ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m "
-               "my_utils.workflows.lora ...` for several processes.")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.lora", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="lora")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

@@ -23,11 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from my_utils import UserError
-from my_utils.core.printing import get_world_size
-from my_utils.run.config import RunSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils.core.data import token_blocks
+from my_utils.core.models import load_tokenizer
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.printing import get_world_size, print0
+from my_utils.core.splits import check_tensor_split, model_config
+from my_utils.core.stats import check_tolerances
+from my_utils.run.cli import command_line
+from my_utils.run.config import RunSettings, check_positive, setting
+from my_utils.run.lifecycle import run_lifecycle
+from my_utils.workflows.tensor_parallel import build_model, whole
 
 MAX_RANKS = 16  # simulated ranks cost this process memory and time in proportion
+
+
+DESCRIPTION = ("2D parallel: data parallel x Megatron tensor parallel on a (dp, tp) mesh, its ranks simulated in one "
+               "process with torch's LocalTensor; one step checked against the unsplit model.")
 
 
 @dataclass
@@ -35,30 +46,27 @@ class Config(RunSettings):
     dp: int = setting(2, "data-parallel replicas (the mesh's first dimension)")
     tp: int = setting(2, "tensor-parallel ranks per replica (the mesh's second dimension)")
     sequence_parallel: bool = setting(False, "split the norms' work by position too, within each tp group")
-    batch_size: int = setting(8, "sequences per step over all replicas, split evenly between them")
+    global_batch_size: int = setting(8, "sequences per step over all replicas, split evenly between them")
     max_length: int = setting(32, "tokens per sequence")
     learning_rate: float = setting(1e-3, "the rate of the checked SGD step")
 
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset and the model's config."""
-    from my_utils.run.config import check_positive
-    from my_utils.workflows.tensor_parallel import check_divisible, model_config
-
     preset = cfg.check_common()
     if get_world_size() > 1:  # WORLD_SIZE, set by torchrun and accelerate launch
         raise UserError("parallel_2d simulates its ranks in one process; run it with python -m, not a launcher.")
-    for name in ("dp", "tp", "batch_size", "max_length"):
+    for name in ("dp", "tp", "global_batch_size", "max_length"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
     check_positive("--learning-rate", cfg.learning_rate, float)
     if cfg.dp * cfg.tp > MAX_RANKS:
         raise UserError(f"--dp {cfg.dp} x --tp {cfg.tp} is {cfg.dp * cfg.tp} simulated ranks, more than "
                         f"{MAX_RANKS}; choose a smaller mesh.")
-    if cfg.batch_size % cfg.dp:
-        raise UserError(f"--batch-size {cfg.batch_size} does not split over {cfg.dp} replicas; make it a multiple "
-                        f"of --dp.")
+    if cfg.global_batch_size % cfg.dp:
+        raise UserError(f"--global-batch-size {cfg.global_batch_size} does not split over {cfg.dp} replicas; make it a "
+                        "multiple of --dp.")
     config = model_config(preset)
-    check_divisible(config, cfg.tp, cfg)
+    check_tensor_split(config, cfg.tp, cfg.sequence_parallel, cfg.max_length)
     return preset, config
 
 
@@ -136,15 +144,9 @@ def train(cfg: Config) -> dict:
     from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
-    from my_utils.core.data import token_blocks
-    from my_utils.core.models import load_tokenizer
-    from my_utils.core.printing import print0
-    from my_utils.run.lifecycle import run_lifecycle
-    from my_utils.workflows.tensor_parallel import build_model, whole
-
     preset, config = validate(cfg)
     ranks = cfg.dp * cfg.tp
-    batch = token_blocks(preset, load_tokenizer(preset), cfg.batch_size, cfg.max_length)
+    batch = token_blocks(preset, load_tokenizer(preset), cfg.global_batch_size, cfg.max_length)
     with run_lifecycle(cfg, 1, default_dir=RUNS_ROOT / "parallel_2d" / f"dp{cfg.dp}_tp{cfg.tp}",
                        workflow="parallel_2d", simulated_ranks=ranks) as life:
         model = build_model(preset, config, cfg)
@@ -171,35 +173,22 @@ def train(cfg: Config) -> dict:
             dist.destroy_process_group()
         summary = {
             "workflow": "parallel_2d", "simulated_ranks": ranks, "mesh": {"dp": cfg.dp, "tp": cfg.tp},
-            "sequence_parallel": cfg.sequence_parallel, "batch_size": cfg.batch_size,
-            "batch_per_replica": cfg.batch_size // cfg.dp, "max_length": cfg.max_length,
+            "sequence_parallel": cfg.sequence_parallel, "global_batch_size": cfg.global_batch_size,
+            "local_batch_size": cfg.global_batch_size // cfg.dp, "max_length": cfg.max_length,
             "coordinates": [coordinates[rank] for rank in range(ranks)], "losses_per_rank": losses,
             "loss_mean_over_replicas": sum(losses) / ranks, "reference_loss": reference_loss.item(),
             "grad_max_diff": float(grad_diff), "grad_scale": max(float(g.abs().max()) for g in reference_grads),
             "param_max_diff": float(param_diff), "collectives": step["collectives"],
             "parameters": len(reference_grads), "layer0_shapes": layer0,
         }
+        # what counts as equal to the unsplit model: float32 rounding of the same sums split over the mesh (the
+        # gradients within 1e-5 of the largest of them, the parameters after one step within 1e-6)
+        summary["tolerances"] = {"grad_max_diff": 1e-5 * summary["grad_scale"], "param_max_diff": 1e-6}
         life.finish(summary)
         print0(f"dp {cfg.dp} x tp {cfg.tp}: mean loss over replicas {summary['loss_mean_over_replicas']:.6f}, "
                f"unsplit model {summary['reference_loss']:.6f}; gradients within {grad_diff:.1e}")
+    check_tolerances(life.summary, "The mesh's model and the unsplit model")
     return life.summary
 
 
-DESCRIPTION = ("2D parallel: data parallel x Megatron tensor parallel on a (dp, tp) mesh, its ranks simulated in one "
-               "process with torch's LocalTensor; one step checked against the unsplit model.")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.parallel_2d", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="parallel_2d")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

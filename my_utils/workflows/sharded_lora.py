@@ -18,43 +18,51 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 from pathlib import Path
 
-from my_utils.core.adapters import AdapterSpec
-from my_utils.run.config import TrainingSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils import UserError
+from my_utils.core.adapters import AdapterSpec, complete_adapter_folder
+from my_utils.core.models import add_adapter, check_lora_targets, load_tokenizer
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.run.checkpoints import load_rng_state, saved_step
+from my_utils.run.cli import command_line, file_system_refusal
+from my_utils.run.config import LocalBatchSettings, check_choice, setting
+from my_utils.run.divergence import check_finite
+from my_utils.run.faults import fault_settings
+from my_utils.run.lifecycle import check_resumable, resume_after_restart, run_lifecycle
+from my_utils.workflows.ddp_common import worker_report, write_worker_report
+from my_utils.workflows.sharding import rank_batches, start_worker
 
 STAGES = ("zero2", "zero3")
 CHECKPOINTS = "checkpoints"
 RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "save_steps", "timeout_s"})  # where and how, not what it trains
 
 
+DESCRIPTION = ("LoRA on a base sharded with FSDP2 (ZeRO-2 or 3): the adapter saved whole, checkpoints that resume on "
+               "every rank. Needs 2+ processes: ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m "
+               "my_utils.workflows.sharded_lora. Writes a results folder and prints its summary.")
+
+
 @dataclass
-class Config(TrainingSettings):
+class Config(LocalBatchSettings):
     adapter: AdapterSpec = setting(AdapterSpec, "the LoRA adapter")
     stage: str = setting("zero3", "zero2 keeps the gathered weights from forward to backward; zero3 frees them",
                          choices=STAGES)
-    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 4, "max_steps": 6, "max_length": 64}
-    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per step", "max_length": "tokens per packed block"}
+    TRAINING_DEFAULTS: ClassVar[dict] = {"local_batch_size": 4, "max_steps": 6, "max_length": 64}
+    SETTING_HELP: ClassVar[dict] = {"local_batch_size": "blocks per process per step",
+                                    "max_length": "tokens per packed block"}
     METHOD: ClassVar[str] = "lora"
     save_steps: int = setting(0, "save a checkpoint (the whole adapter and the optimizer) every N steps; 0: never")
     resume: bool = setting(False, "continue --output-dir from its newest whole checkpoint")
 
 
 def validate(cfg: Config):
-    from my_utils import UserError
-    from my_utils.run.config import check_choice, check_positive
-
     preset = cfg.check_common()
     preset.require("causal")
     cfg.adapter.check_lora_only("sharded LoRA")
     check_choice("stage", cfg.stage, STAGES)
-    for name in ("batch_size", "max_steps", "max_length"):
-        check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
     if cfg.save_steps < 0:
         raise UserError(f"--save-steps must be 0 (never) or positive, got {cfg.save_steps}.")
     if cfg.resume:
         from dataclasses import asdict
-
-        from my_utils.run.lifecycle import check_resumable
 
         if not cfg.output_dir:
             raise UserError("--resume continues an existing results folder; name it with --output-dir.")
@@ -75,8 +83,6 @@ def sharded_lora_model(base, cfg: Config, checkpoint: Path | None):
     from safetensors.torch import load_file
     from torch.distributed.fsdp import fully_shard
 
-    from my_utils.core.models import add_adapter
-
     model = add_adapter(base, cfg.adapter)
     if checkpoint is not None:  # before sharding: every rank loads the whole adapter, then keeps its shard
         set_peft_model_state_dict(model, load_file(checkpoint / "adapter" / "adapter_model.safetensors"))
@@ -90,7 +96,8 @@ def sharded_lora_model(base, cfg: Config, checkpoint: Path | None):
 
 def save_whole(model, optimizer, folder: Path, step: int | None = None) -> None:
     """Gather the adapter (and, for a checkpoint with ``step``, the optimizer) whole to rank 0 and write them
-    there; every rank must call it."""
+    there; every rank must call it. A write the file system refuses (a full disk) stops every rank with rank 0's
+    sentence (UserError), not rank 0 alone while the others wait for it."""
     import torch
     import torch.distributed as dist
     from peft import get_peft_model_state_dict
@@ -105,13 +112,21 @@ def save_whole(model, optimizer, folder: Path, step: int | None = None) -> None:
     optimizer_state = get_optimizer_state_dict(model, optimizer, options=whole) if step is not None else None
     if step is not None:  # every rank's generators: a resume then draws the same dropout masks
         save_rng_state(folder, dist.get_rank())
+    refused = [None]
     if dist.get_rank() == 0:
-        adapter = get_peft_model_state_dict(model, state_dict=state)
-        model.save_pretrained(folder / "adapter", state_dict=adapter, safe_serialization=True)
-        if step is not None:
-            torch.save(optimizer_state, folder / "optimizer.pt")
-            atomic_write_json(folder / "trainer_state.json", {"global_step": step})
-    dist.barrier()
+        try:
+            adapter = get_peft_model_state_dict(model, state_dict=state)
+            model.save_pretrained(folder / "adapter", state_dict=adapter, safe_serialization=True)
+            if step is not None:
+                torch.save(optimizer_state, folder / "optimizer.pt")
+                atomic_write_json(folder / "trainer_state.json", {"global_step": step})
+        except OSError as e:
+            refused[0] = file_system_refusal(e)
+            if refused[0] is None:
+                raise
+    dist.broadcast_object_list(refused, src=0)  # also the barrier: rank 0 has written, or said why not
+    if refused[0] is not None:
+        raise UserError(refused[0])
     if step is not None and dist.get_rank() == 0:  # last: the manifest lists every rank's files
         write_checkpoint_manifest(folder)
     dist.barrier()
@@ -144,19 +159,10 @@ def probe_logits(model, dataset) -> list[float]:
 
 def train(cfg: Config) -> dict:
     """Train LoRA on a sharded base; returns the summary (on every rank; rank 0 also writes it)."""
-    from my_utils.run.lifecycle import resume_after_restart
-
     cfg = resume_after_restart(cfg)  # restarted by torchrun --max-restarts: go on from the newest checkpoint
     preset = validate(cfg)
     import torch
     import torch.distributed as dist
-
-    from my_utils.core.adapters import complete_adapter_folder
-    from my_utils.core.models import check_lora_targets, load_tokenizer
-    from my_utils.run.faults import fault_settings
-    from my_utils.run.lifecycle import run_lifecycle
-    from my_utils.workflows.ddp_common import worker_report, write_worker_report
-    from my_utils.workflows.sharding import rank_batches, start_worker
 
     cfg, world_size, dataset, base = start_worker(cfg, preset, resolve, "sharded_lora")
     check_lora_targets(base, cfg.adapter.targets, cfg.adapter.rank)  # before the results folder exists
@@ -168,11 +174,9 @@ def train(cfg: Config) -> dict:
                                       weight_decay=0.0)
         done, losses = 0, []
         if life.checkpoint is not None:
-            from my_utils.run.checkpoints import load_rng_state
-
             restore_optimizer(model, optimizer, life.checkpoint)
             load_rng_state(life.checkpoint, dist.get_rank())
-            done = int(life.checkpoint.name.rsplit("-", 1)[1])
+            done = saved_step(life.checkpoint)  # from its sealed manifest, not its folder's name
         batches = rank_batches(dataset, cfg, world_size)
         for _ in range(done):  # the batches the checkpoint had already trained on
             next(batches)
@@ -180,6 +184,7 @@ def train(cfg: Config) -> dict:
         for step in range(done + 1, cfg.max_steps + 1):
             loss = model(**next(batches)).loss
             loss.backward()
+            check_finite(step, loss, model.parameters(), cfg.learning_rate)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             mean = loss.detach().clone()
@@ -195,7 +200,8 @@ def train(cfg: Config) -> dict:
         summary = None
         if life.is_main:
             summary = {"workflow": "sharded_lora", "preset": cfg.preset, "stage": cfg.stage,
-                       "world_size": world_size, "steps": cfg.max_steps, "rank": cfg.adapter.rank,
+                       "world_size": world_size, "steps": cfg.max_steps,
+                       "local_batch_size": cfg.local_batch_size, "global_batch_size": cfg.global_batch(world_size),
                        # of this process's steps (a resumed run's first is its first step after the checkpoint)
                        "train_loss_first": losses[0] if losses else None,
                        "train_loss_final": losses[-1] if losses else None,
@@ -207,22 +213,4 @@ def train(cfg: Config) -> dict:
     return life.summary
 
 
-DESCRIPTION = ("LoRA on a base sharded with FSDP2 (ZeRO-2 or 3): the adapter saved whole, checkpoints that resume on "
-               "every rank. Needs 2+ processes: ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m "
-               "my_utils.workflows.sharded_lora. Writes a results folder and prints its summary.")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.sharded_lora", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="sharded_lora")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

@@ -29,8 +29,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from my_utils.run.config import TrainingSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils import UserError
+from my_utils.core.blocks import block_dataset
+from my_utils.core.data import check_enough_rows
+from my_utils.core.memory import MiB
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.plots import new_figure, save
+from my_utils.core.printing import print0
+from my_utils.run.cli import command_line
+from my_utils.run.config import LocalBatchSettings, check_choices, setting
+from my_utils.run.divergence import check_finite
+from my_utils.run.lifecycle import join_world, run_lifecycle
+from my_utils.workflows.ddp import batches_forever
+from my_utils.workflows.ddp_common import build_model, worker_report, write_worker_report
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 DEEPSPEED_STRATEGIES = ("deepspeed_zero2", "deepspeed_zero3")  # an extra: pip install -e ".[deepspeed]"
@@ -42,31 +53,28 @@ TEXTBOOK_VOLUME = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 3, "deepspeed_zero
 TEXTBOOK_MIXED_PRECISION = {"ddp": "16P", "zero1": "4P + 12P/N", "zero2": "2P + 14P/N", "zero3": "16P/N"}
 
 
+DESCRIPTION = ("DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP2) on the same batches from the same weights: losses, memory per "
+               "rank against the formulas, communication per step. Needs 2+ processes: ACCELERATE_USE_CPU=1 "
+               "torchrun --nproc_per_node 2 -m my_utils.workflows.sharding. With the DeepSpeed extra, its ZeRO-2 and "
+               "3 as well (--strategies deepspeed_zero2 deepspeed_zero3). Writes a results folder and prints its "
+               "summary.")
+
+
 @dataclass
-class Config(TrainingSettings):
+class Config(LocalBatchSettings):
     strategies: tuple[str, ...] = setting(STRATEGIES, "what to run, in order, each from the same weights: "
                                           + ", ".join(STRATEGIES + DEEPSPEED_STRATEGIES) + " (DeepSpeed's need its "
                                           "extra)", choices=STRATEGIES + DEEPSPEED_STRATEGIES)
-    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 4, "max_steps": 8, "max_length": 64}
-    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per step", "max_steps": "optimizer steps per "
-                                    "strategy", "max_length": "tokens per packed block"}
+    TRAINING_DEFAULTS: ClassVar[dict] = {"local_batch_size": 4, "max_steps": 8, "max_length": 64}
+    SETTING_HELP: ClassVar[dict] = {"local_batch_size": "blocks per process per step",
+                                    "max_steps": "optimizer steps per strategy", "max_length": "tokens per packed block"}
 
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
-    from my_utils import UserError
-    from my_utils.run.config import check_choice, check_positive
-
     preset = cfg.check_common()
     preset.require("causal")
-    for name in ("batch_size", "max_steps", "max_length"):
-        check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
-    if cfg.learning_rate is not None:
-        check_positive("--learning-rate", cfg.learning_rate, float)
-    if not cfg.strategies:
-        raise UserError("--strategies names none; give one or more of " + ", ".join(STRATEGIES) + ".")
-    for strategy in cfg.strategies:
-        check_choice("strategy", strategy, STRATEGIES + DEEPSPEED_STRATEGIES)
+    check_choices("--strategies", "strategy", cfg.strategies, STRATEGIES + DEEPSPEED_STRATEGIES)
     wanted = [s for s in cfg.strategies if s in DEEPSPEED_STRATEGIES]
     if wanted and not deepspeed_installed():
         raise UserError(f"--strategies {wanted[0]} needs DeepSpeed, an extra of the course: pip install -e "
@@ -85,8 +93,6 @@ def resolve(cfg: Config, preset, world_size: int) -> Config:
 
 
 def check_world(world_size: int, workflow: str) -> None:
-    from my_utils import UserError
-
     if world_size < 2:
         raise UserError(f"my_utils.workflows.{workflow} needs 2 or more processes; launch with ACCELERATE_USE_CPU=1 "
                         f"torchrun --nproc_per_node 2 -m my_utils.workflows.{workflow}.")
@@ -94,8 +100,6 @@ def check_world(world_size: int, workflow: str) -> None:
 
 def check_shardable(model, world_size: int) -> None:
     """Every parameter needs at least one row per rank (FSDP2 splits dimension 0)."""
-    from my_utils import UserError
-
     rows = min(p.shape[0] for p in model.parameters())
     if rows < world_size:
         raise UserError(f"The model is too small to shard over {world_size} processes: a parameter has {rows} rows; "
@@ -292,15 +296,11 @@ def start_worker(cfg, preset, resolve_config, workflow: str):
     config, the world size, the blocks, the model)."""
     import torch
 
-    from my_utils.core.data import check_enough_rows
-    from my_utils.run.lifecycle import join_world
-    from my_utils.workflows.ddp_common import block_dataset, build_model
-
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     check_world(world_size, workflow)
     cfg = resolve_config(cfg, preset, world_size)
     dataset = block_dataset(preset, cfg.max_length)
-    check_enough_rows(len(dataset), cfg.batch_size * world_size)
+    check_enough_rows(len(dataset), cfg.local_batch_size * world_size)
     torch.manual_seed(cfg.seed)
     return cfg, world_size, dataset, build_model(preset, random_init=cfg.random_init)
 
@@ -311,12 +311,10 @@ def rank_batches(dataset, cfg, world_size: int):
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from my_utils.workflows.ddp import batches_forever
-
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=dist.get_rank(), seed=cfg.seed)
     # its own generator: each epoch's iterator draws a seed from it, which would otherwise come from the global one
     # and shift the dropout masks of a run resumed from a checkpoint (it skips ahead through fresh iterators)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True,
+    loader = DataLoader(dataset, batch_size=cfg.local_batch_size, sampler=sampler, drop_last=True,
                         generator=torch.Generator().manual_seed(cfg.seed))
     return batches_forever(loader, sampler)
 
@@ -330,7 +328,7 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
     import torch.distributed as dist
 
     counts = {}
-    model, optimizer = wrap(copy.deepcopy(base), strategy, cfg.learning_rate, counts, cfg.batch_size)
+    model, optimizer = wrap(copy.deepcopy(base), strategy, cfg.learning_rate, counts, cfg.local_batch_size)
     # AdamW's states, inside whatever wraps the optimizer
     states = (optimizer.optim.state if strategy == "zero1" else
               optimizer.optimizer.state if strategy in DEEPSPEED_STRATEGIES else optimizer.state)
@@ -345,11 +343,13 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
             if strategy in DEEPSPEED_STRATEGIES:  # the engine reduces, steps and zeroes the gradients
                 model.backward(loss)
                 memory["gradients"] = deepspeed_gradient_bytes(optimizer)
+                check_finite(step, loss, model.parameters(), cfg.learning_rate)  # the engine keeps the gradients
                 model.step()
                 memory |= deepspeed_weight_bytes(model, optimizer)
             else:
                 loss.backward()
                 memory["gradients"] = local_bytes(p.grad for p in model.parameters())
+                check_finite(step, loss, model.parameters(), cfg.learning_rate)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 memory["weights"] = local_bytes(model.parameters())
@@ -357,16 +357,13 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
-    return {"strategy": strategy, "rank": dist.get_rank(), "losses": losses, "memory": dict(memory),
+    return {"strategy": strategy, "process": dist.get_rank(), "losses": losses, "memory": dict(memory),
             "communication": dict(counts), "seconds": time.perf_counter() - started}
 
 
 def train(cfg: Config) -> dict:
     """Run every strategy in ``cfg.strategies``; returns the summary (on every rank; rank 0 also writes it)."""
     preset = validate(cfg)
-    from my_utils.core.printing import print0
-    from my_utils.run.lifecycle import run_lifecycle
-    from my_utils.workflows.ddp_common import worker_report, write_worker_report
 
     cfg, world_size, dataset, base = start_worker(cfg, preset, resolve, "sharding")  # every strategy starts from a copy of base
     check_shardable(base, world_size)
@@ -397,7 +394,7 @@ def summarize(cfg: Config, world_size: int, parameters: int, per_rank: list[list
         volume = 2 * counts.get("all_reduce", 0) + sum(v for k, v in counts.items() if k != "all_reduce")
         strategies[strategy] = {
             "losses": ranks[0]["losses"],
-            "memory": [{"rank": r["rank"], **r["memory"]} for r in ranks],
+            "memory": [{"process": r["process"], **r["memory"]} for r in ranks],
             "formula": memory_formula(strategy, parameters, world_size),
             "communication": counts, "volume_over_p": volume / parameters,
             "textbook_volume_over_p": TEXTBOOK_VOLUME[strategy],
@@ -406,7 +403,8 @@ def summarize(cfg: Config, world_size: int, parameters: int, per_rank: list[list
     first = strategies[cfg.strategies[0]]["losses"]
     return {
         "workflow": "sharding", "preset": cfg.preset, "world_size": world_size, "parameters": parameters,
-        "batch_size_per_process": cfg.batch_size, "max_length": cfg.max_length, "steps": cfg.max_steps,
+        "local_batch_size": cfg.local_batch_size, "global_batch_size": cfg.global_batch(world_size),
+        "max_length": cfg.max_length, "steps": cfg.max_steps,
         "learning_rate": cfg.learning_rate, "strategies": strategies,
         "max_loss_difference": max(abs(a - b) for s in strategies.values() for a, b in zip(s["losses"], first)),
         "train_loss_first": first[0], "train_loss_final": first[-1],
@@ -419,9 +417,6 @@ MEMORY_KINDS = {"weights": "weights (stored)", "gathered": "weights gathered for
 
 def memory_plot(summary: dict, path):
     """Stacked bars: what each rank holds per strategy, by kind, with the formula's total as a black mark."""
-    from my_utils.core.memory import MiB
-    from my_utils.core.plots import new_figure, save
-
     fig = new_figure(7, 3.8)
     ax = fig.add_subplot()
     names, x = [], 0
@@ -433,7 +428,7 @@ def memory_plot(summary: dict, path):
                 bottom += entry[kind] / MiB
             ax.plot([x - 0.35, x + 0.35], [sum(result["formula"].values()) / MiB] * 2, "k-", lw=2,
                     label="formula (total)" if x == 0 else None)
-            names.append(f"{strategy}\nrank {entry['rank']}")
+            names.append(f"{strategy}\nrank {entry['process']}")
             x += 1
     ax.set_xticks(range(len(names)), names, fontsize="small")
     ax.set(ylabel="MiB per rank", ylim=(0, None),
@@ -443,24 +438,4 @@ def memory_plot(summary: dict, path):
     return save(fig, path)
 
 
-DESCRIPTION = ("DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP2) on the same batches from the same weights: losses, memory per "
-               "rank against the formulas, communication per step. Needs 2+ processes: ACCELERATE_USE_CPU=1 "
-               "torchrun --nproc_per_node 2 -m my_utils.workflows.sharding. With the DeepSpeed extra, its ZeRO-2 and "
-               "3 as well (--strategies deepspeed_zero2 deepspeed_zero3). Writes a results folder and prints its "
-               "summary.")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.sharding", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="sharding")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

@@ -23,70 +23,52 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 from my_utils import UserError
-from my_utils.core.printing import get_world_size
-from my_utils.core.presets import ASSETS
-from my_utils.run.config import RunSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils.core.data import token_blocks
+from my_utils.core.devices import per_rank_device
+from my_utils.core.memory import peak_bytes, snapshot
+from my_utils.core.models import check_available, load_tokenizer
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.printing import get_world_size, native_stderr_silenced, print0, rank_print
+from my_utils.core.splits import check_tensor_split, model_config
+from my_utils.core.stats import check_tolerances
+from my_utils.run.callbacks import SavedActivations
+from my_utils.run.cli import command_line
+from my_utils.run.config import GlobalBatchSettings, setting
+from my_utils.run.divergence import check_finite
+from my_utils.run.lifecycle import join_world, process_group_backend, run_lifecycle
 
-TINY_LLAMA = ASSETS / "tiny" / "llama"  # the tiny preset's Llama: its config only, weights drawn from --seed
 COLLECTIVE_NAMES = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
                     "reduce_scatter_tensor": "reduce_scatter"}  # functional collectives' names and c10d's
 
 
+DESCRIPTION = ("Tensor parallel (Megatron: attention heads and MLP columns split over processes), optionally with "
+               "sequence parallel, training a Llama-family model, checked against an unsplit copy. Needs 2+ processes: "
+               "torchrun --nproc_per_node 2 -m my_utils.workflows.tensor_parallel ..., or (on a CPU) "
+               "ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m ...")
+
+
 @dataclass
-class Config(RunSettings):
+class Config(GlobalBatchSettings):
+    TRAINING_DEFAULTS: ClassVar[dict] = {"global_batch_size": 8, "max_length": 64, "max_steps": 12,
+                                         "learning_rate": 1e-3}
+    SETTING_HELP: ClassVar[dict] = {"global_batch_size": "sequences per step (every process sees the same batch)",
+                                    "max_length": "tokens per sequence", "max_steps": "AdamW steps after the one-step "
+                                    "check", "learning_rate": "the rate of the check's SGD step and of the AdamW steps"}
     sequence_parallel: bool = setting(False, "split the norms' work by sequence position too (Megatron-SP)")
-    batch_size: int = setting(8, "sequences per step (every process sees the same batch)")
-    max_length: int = setting(64, "tokens per sequence")
-    max_steps: int = setting(12, "AdamW steps after the one-step check")
-    learning_rate: float = setting(1e-3, "the rate of the check's SGD step and of the AdamW steps")
-
-
-def model_config(preset):
-    """The transformers config of the model this workflow splits; refused in one sentence unless a Llama."""
-    from transformers import AutoConfig
-
-    folder = TINY_LLAMA if preset.name == "tiny" else preset.offline_config.get("causal")
-    config = AutoConfig.from_pretrained(folder) if folder else None
-    if config is None or config.model_type != "llama":
-        raise UserError(f"The tensor-parallel plan is written for Llama-family layers (q/k/v/o_proj, "
-                        f"gate/up/down_proj) and preset {preset.name!r} has "
-                        f"{'no causal LM' if config is None else config.model_type!r}; use --preset tiny or "
-                        "smollm2-135m.")
-    return config
-
-
-def check_divisible(config, processes: int, cfg: Config) -> None:
-    """Every split dimension must divide evenly over the processes."""
-    sizes = {"attention heads": config.num_attention_heads, "key/value heads": config.num_key_value_heads,
-             "MLP width (intermediate_size)": config.intermediate_size}
-    if not config.tie_word_embeddings:
-        sizes["vocabulary"] = config.vocab_size
-    for what, size in sizes.items():
-        if size % processes:
-            raise UserError(f"The model's {what}, {size}, do not split over {processes} processes; launch a number of processes "
-                            f"that divides {size}.")
-    if cfg.sequence_parallel and cfg.max_length % processes:
-        raise UserError(f"--sequence-parallel splits each sequence over the processes and --max-length "
-                        f"{cfg.max_length} does not split over {processes}; make it a multiple of {processes}.")
 
 
 def validate(cfg: Config):
     """Check the config before any process group starts; returns the preset and the model's config."""
-    from my_utils.run.config import check_positive
-
     preset = cfg.check_common()
     preset.require("causal")
-    for name in ("batch_size", "max_length", "max_steps"):
-        check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
-    check_positive("--learning-rate", cfg.learning_rate, float)
     config = model_config(preset)
     if cfg.max_length > config.max_position_embeddings:
         raise UserError(f"--max-length {cfg.max_length} is beyond the model's {config.max_position_embeddings} "
                         "positions; lower it.")
-    check_divisible(config, cfg.num_processes or get_world_size(), cfg)
+    check_tensor_split(config, cfg.num_processes or get_world_size(), cfg.sequence_parallel, cfg.max_length)
     return preset, config
 
 
@@ -199,8 +181,6 @@ def build_model(preset, config, cfg: Config):
     if preset.name == "tiny" or cfg.random_init:
         model = AutoModelForCausalLM.from_config(config)
     else:
-        from my_utils.core.models import check_available
-
         check_available(preset.causal_model)
         model = AutoModelForCausalLM.from_pretrained(preset.causal_model)
     model.config.use_cache = False
@@ -230,8 +210,6 @@ def one_step_check(model, mesh, batch, cfg: Config) -> dict:
     import copy
 
     import torch
-
-    from my_utils.run.callbacks import SavedActivations
 
     reference = copy.deepcopy(model)
     with SavedActivations(reference) as saved_whole:
@@ -279,13 +257,6 @@ def train(cfg: Config) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from my_utils.core.data import token_blocks
-    from my_utils.core.devices import per_rank_device
-    from my_utils.core.memory import snapshot
-    from my_utils.core.models import load_tokenizer
-    from my_utils.core.printing import print0, rank_print
-    from my_utils.run.lifecycle import join_world, run_lifecycle
-
     preset, config = validate(cfg)
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     if world_size < 2:
@@ -293,8 +264,8 @@ def train(cfg: Config) -> dict:
                         "torchrun --nproc_per_node 2 or accelerate launch --num_processes 2.")
     cfg = replace(cfg, num_processes=world_size)
     device = per_rank_device()
-    data = token_blocks(preset, load_tokenizer(preset), cfg.batch_size * (cfg.max_steps + 1), cfg.max_length)
-    batches = data.to(device).split(cfg.batch_size)
+    data = token_blocks(preset, load_tokenizer(preset), cfg.global_batch_size * (cfg.max_steps + 1), cfg.max_length)
+    batches = data.to(device).split(cfg.global_batch_size)
     mode = "tp+sp" if cfg.sequence_parallel else "tp"
     with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "tensor_parallel" / f"{cfg.preset}_{mode}",
                        workflow="tensor_parallel") as life:
@@ -308,13 +279,14 @@ def train(cfg: Config) -> dict:
         waited = collective_wait(model, batches[-1])
         for step, loss in enumerate(losses, start=1):
             life.log({"step": step, "loss": loss})
-        reports = life.gather({"rank": dist.get_rank(), "world_size_seen": dist.get_world_size(), **check,
+        reports = life.gather({"process": dist.get_rank(), "world_size_seen": dist.get_world_size(), **check,
                                "parameters": parameter_split(model, world_size), "losses": losses,
                                "collective_wait": waited,
-                               "memory": {"rank": dist.get_rank(), "end": snapshot(device)}})
+                               "memory": {"process": dist.get_rank(), "end": snapshot(device)}})
         life.finish(summarize(cfg, mode, config, world_size, reports, runtime) if life.is_main else None)
         print0(f"{mode}: every process holds {life.summary['parameters_local'][0]:,} of "
                f"{life.summary['total_parameters']:,} parameters; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    check_tolerances(life.summary, "The split model and the unsplit model")
     return life.summary
 
 
@@ -323,8 +295,6 @@ def collective_wait(model, batch) -> dict:
     collectives (``wait_tensor``: communication that no computation hid), as seconds and as a share of the step.
     Its gradients are cleared afterwards."""
     from torch.profiler import ProfilerActivity, profile
-
-    from my_utils.core.printing import native_stderr_silenced
 
     with native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as profiled:
         started = time.perf_counter()
@@ -341,32 +311,36 @@ def train_steps(model, batches, learning_rate: float) -> tuple[list[float], floa
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     losses, started = [], time.perf_counter()
-    for batch in batches:
+    for step, batch in enumerate(batches, start=1):
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
+        check_finite(step, loss, model.parameters(), learning_rate)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses, time.perf_counter() - started
 
 
+# The largest differences from the unsplit model that count as equal: float32 rounding of the same sums split over
+# processes (the gradients relative to the largest of them; the parameters after one step, absolute)
+TOLERANCES = {"grad_rel_diff": 1e-5, "param_max_diff": 1e-6}
+
+
 def summarize(cfg: Config, mode: str, config, world_size: int, reports: list, runtime: float) -> dict:
     """summary.json: the one-step check, the collectives against the plan's count, what each process holds, the
     training losses."""
-    from my_utils.core.memory import peak_bytes
-    from my_utils.run.lifecycle import process_group_backend
-
     first = reports[0]
     tied = config.tie_word_embeddings
     return {
         "workflow": "tensor_parallel", "mode": mode, "preset": cfg.preset, "world_size": world_size,
         "world_sizes_seen": [r["world_size_seen"] for r in reports], "backend": process_group_backend(),
-        "batch_size": cfg.batch_size, "effective_batch": cfg.batch_size, "max_length": cfg.max_length,
+        "global_batch_size": cfg.global_batch_size, "max_length": cfg.max_length,
         "steps": cfg.max_steps, "learning_rate": cfg.learning_rate, "layers": config.num_hidden_layers,
         "tied_embeddings": tied,
         "loss": first["loss"], "reference_loss": first["reference_loss"],
         "grad_rel_diff": max(r["grad_rel_diff"] for r in reports),
         "param_max_diff": max(r["param_max_diff"] for r in reports),
+        "tolerances": TOLERANCES,
         "collectives": first["collectives"],
         "collectives_expected": expected_collectives(config.num_hidden_layers, cfg.sequence_parallel, tied),
         "total_parameters": first["parameters"]["whole"] + first["parameters"]["split"],
@@ -383,7 +357,7 @@ def summarize(cfg: Config, mode: str, config, world_size: int, reports: list, ru
         "saved_activation_bytes_whole": first["saved_activation_bytes_whole"],
         "train_losses": first["losses"], "train_loss_first": first["losses"][0],
         "train_loss_final": first["losses"][-1], "runtime_s": runtime,
-        "samples_per_s": cfg.max_steps * cfg.batch_size / runtime,
+        "samples_per_s": cfg.max_steps * cfg.global_batch_size / runtime,
         # one more forward and backward, profiled: the share of it each process spent waiting for collectives
         "collective_wait_share": [r["collective_wait"]["share"] for r in reports],
         "memory": [r["memory"] for r in reports],
@@ -391,23 +365,4 @@ def summarize(cfg: Config, mode: str, config, world_size: int, reports: list, ru
     }
 
 
-DESCRIPTION = ("Tensor parallel (Megatron: attention heads and MLP columns split over processes), optionally with "
-               "sequence parallel, training a Llama-family model, checked against an unsplit copy. Needs 2+ processes: "
-               "torchrun --nproc_per_node 2 -m my_utils.workflows.tensor_parallel ..., or (on a CPU) "
-               "ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m ...")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.tensor_parallel", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="tensor_parallel")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

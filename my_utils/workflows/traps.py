@@ -26,39 +26,47 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from my_utils.run.config import TrainingSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils import UserError
+from my_utils.core.adapters import AdapterSpec
+from my_utils.core.models import add_adapter
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.printing import print0
+from my_utils.run.cli import command_line
+from my_utils.run.config import LocalBatchSettings, check_choice, check_choices, setting
+from my_utils.run.divergence import check_finite
+from my_utils.run.faults import course_trainer_class
+from my_utils.run.lifecycle import run_lifecycle
+from my_utils.workflows.ddp_common import worker_report, write_worker_report
+from my_utils.workflows.sharded_lora import probe_logits, save_whole
+from my_utils.workflows.sharding import deepspeed_engine, deepspeed_installed, local_bytes, rank_batches, start_worker
 
 TRAPS = ("reentrant_ddp", "evaluate_first", "sharded_save", "frozen_upcast")
 ZERO3 = ("deepspeed", "fsdp2")  # what shards the base in sharded_save
 
 
+DESCRIPTION = ("Traps of distributed fine-tuning that need several processes (reentrant checkpointing under DDP, "
+               "evaluating before training, saving a sharded adapter), each sprung and cured. Needs 2+ processes: "
+               "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.traps. Writes a results "
+               "folder and prints what each trap and cure gave.")
+
+
 @dataclass
-class Config(TrainingSettings):
+class Config(LocalBatchSettings):
     traps: tuple[str, ...] = setting(TRAPS, "which traps to spring and cure, in order: " + ", ".join(TRAPS),
                                      choices=TRAPS)
     zero3: str | None = setting(None, "what shards the base in sharded_save: deepspeed (DeepSpeed's ZeRO-3) or fsdp2 "
                                 "(FSDP2's fully_shard)", choices=ZERO3, unset="deepspeed where installed, else fsdp2")
-    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 4, "max_steps": 3, "max_length": 64}
-    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per step", "max_steps": "optimizer steps per "
-                                    "trap and per cure", "max_length": "tokens per packed block"}
+    TRAINING_DEFAULTS: ClassVar[dict] = {"local_batch_size": 4, "max_steps": 3, "max_length": 64}
+    SETTING_HELP: ClassVar[dict] = {"local_batch_size": "blocks per process per step",
+                                    "max_steps": "optimizer steps per trap and per cure",
+                                    "max_length": "tokens per packed block"}
     METHOD: ClassVar[str] = "lora"
 
 
 def validate(cfg: Config):
-    from my_utils import UserError
-    from my_utils.run.config import check_choice, check_positive
-
     preset = cfg.check_common()
     preset.require("causal")
-    for name in ("batch_size", "max_steps", "max_length"):
-        check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))
-    if cfg.learning_rate is not None:
-        check_positive("--learning-rate", cfg.learning_rate, float)
-    if not cfg.traps:
-        raise UserError("--traps names none; give one or more of " + ", ".join(TRAPS) + ".")
-    for trap in cfg.traps:
-        check_choice("trap", trap, TRAPS)
+    check_choices("--traps", "trap", cfg.traps, TRAPS)
     if cfg.zero3 is not None:
         check_choice("--zero3", cfg.zero3, ZERO3)
     if cfg.zero3 == "deepspeed" and not deepspeed_installed():
@@ -72,20 +80,11 @@ def resolve(cfg: Config, preset, world_size: int) -> Config:
     return replace(cfg, **cfg.settled(preset), traps=tuple(cfg.traps), zero3=zero3, num_processes=world_size)
 
 
-def deepspeed_installed() -> bool:
-    from my_utils.workflows.sharding import deepspeed_installed as installed
-
-    return installed()
-
-
 def lora_copy(base, preset):
     """A fresh LoRA model on a copy of ``base`` (the same initial adapter on every rank: the seed is reset)."""
     import copy
 
     import torch
-
-    from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.models import add_adapter
 
     torch.manual_seed(0)
     return add_adapter(copy.deepcopy(base), AdapterSpec().resolved(preset.lora_targets))
@@ -106,9 +105,10 @@ def adapter_spread(model) -> float:
 def train_steps(model, optimizer, batches, steps: int, **forward) -> list[float]:
     """``steps`` plain optimizer steps; this rank's losses."""
     losses = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         loss = model(**next(batches), **forward).loss
         loss.backward()
+        check_finite(step, loss, model.parameters(), optimizer.param_groups[0]["lr"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -157,15 +157,13 @@ def evaluate_first(base, preset, cfg: Config, dataset, folder) -> dict:
     course's Trainer (``course_trainer_class``) stops such a run before its first step."""
     from transformers import Trainer, TrainingArguments
 
-    from my_utils import UserError
-    from my_utils.run.faults import course_trainer_class
-
     outcome = {}
     for name, trainer_class, evaluate_before in (("trap", Trainer, True), ("cure", Trainer, False),
                                                  ("guarded", course_trainer_class(), True)):
         model = lora_copy(base, preset)
-        args = TrainingArguments(output_dir=str(folder / f"trainer_{name}"), per_device_train_batch_size=cfg.batch_size,
-                                 per_device_eval_batch_size=cfg.batch_size, max_steps=cfg.max_steps,
+        args = TrainingArguments(output_dir=str(folder / f"trainer_{name}"),
+                                 per_device_train_batch_size=cfg.local_batch_size,
+                                 per_device_eval_batch_size=cfg.local_batch_size, max_steps=cfg.max_steps,
                                  learning_rate=cfg.learning_rate, report_to="none", save_strategy="no", use_cpu=True,
                                  seed=cfg.seed, ddp_find_unused_parameters=False, disable_tqdm=True)
         trainer = trainer_class(model=model, args=args, train_dataset=dataset, eval_dataset=dataset[:8])
@@ -194,8 +192,6 @@ def sharded_save(base, preset, cfg: Config, dataset, batches, folder) -> dict:
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from my_utils.workflows.sharded_lora import probe_logits
-
     # every adapter element, counted before sharding (a ZeRO-3 parameter's numel() is its placeholder's: 0)
     expected = sum(p.numel() for p in lora_copy(base, preset).parameters() if p.requires_grad)
     save = {"deepspeed": deepspeed_save, "fsdp2": fsdp2_save}[cfg.zero3]
@@ -223,10 +219,8 @@ def deepspeed_save(model, cfg: Config, batches, dataset, folder):
     import torch.distributed as dist
 
     import deepspeed
-    from my_utils.workflows.sharded_lora import probe_logits
-    from my_utils.workflows.sharding import deepspeed_engine
 
-    engine, _ = deepspeed_engine(model, 3, cfg.learning_rate, cfg.batch_size)
+    engine, _ = deepspeed_engine(model, 3, cfg.learning_rate, cfg.local_batch_size)
     for _, batch in zip(range(cfg.max_steps), batches()):
         engine.backward(engine(**batch).loss)  # DeepSpeed's loop: the engine runs backward and the step
         engine.step()
@@ -252,8 +246,6 @@ def fsdp2_save(model, cfg: Config, batches, dataset, folder):
     from peft import get_peft_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from my_utils.workflows.sharded_lora import probe_logits, save_whole
-
     for block in model.base_model.model.transformer.h:
         fully_shard(block)
     fully_shard(model)
@@ -277,8 +269,6 @@ def frozen_upcast(base, preset) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from my_utils.workflows.sharding import local_bytes
-
     outcome = {}
     for name in ("trap", "cure"):
         model = lora_copy(copy.deepcopy(base).to(torch.bfloat16), preset)  # as loaded with dtype=torch.bfloat16
@@ -301,10 +291,6 @@ def frozen_upcast(base, preset) -> dict:
 def train(cfg: Config) -> dict:
     """Spring and cure each trap in ``cfg.traps``; returns the summary (on every rank; rank 0 also writes it)."""
     preset = validate(cfg)
-    from my_utils.core.printing import print0
-    from my_utils.run.lifecycle import run_lifecycle
-    from my_utils.workflows.ddp_common import worker_report, write_worker_report
-    from my_utils.workflows.sharding import rank_batches, start_worker
 
     cfg, world_size, dataset, base = start_worker(cfg, preset, resolve, "traps")
     with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "traps" / f"{cfg.preset}_x{world_size}",
@@ -326,28 +312,10 @@ def train(cfg: Config) -> dict:
                 results[trap] = sharded_save(base, preset, cfg, dataset, batches, life.folder)
             print0(f"{trap}: trap {results[trap].get('trap')}\n{' ' * len(trap)}  cure {results[trap].get('cure')}")
         summary = {"workflow": "traps", "preset": cfg.preset, "world_size": world_size,
+                   "local_batch_size": cfg.local_batch_size, "global_batch_size": cfg.global_batch(world_size),
                    "steps_per_trap": cfg.max_steps, "traps": results} if life.is_main else None
         life.finish(summary)
     return life.summary
 
 
-DESCRIPTION = ("Traps of distributed fine-tuning that need several processes (reentrant checkpointing under DDP, "
-               "evaluating before training, saving a sharded adapter), each sprung and cured. Needs 2+ processes: "
-               "ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.traps. Writes a results "
-               "folder and prints what each trap and cure gave.")
-
-
-def parse_args(argv=None) -> Config:
-    return parse_config(Config, argv, prog="python -m my_utils.workflows.traps", description=DESCRIPTION)
-
-
-def main(argv=None) -> dict:
-    from my_utils.run.cli import run_main
-
-    return run_main(lambda: train(parse_args(argv)), prefix="traps")
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line(Config, train, __name__, DESCRIPTION)

@@ -33,6 +33,11 @@ from dataclasses import fields
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core.data import INSTRUCTION_COLUMNS, read_jsonl
+from my_utils.core.devices import fast_bf16, usable_cores
+from my_utils.core.presets import get_preset
+from my_utils.run.config import OneLineParser, check_positive
+from my_utils.run.results import check_outside_runs
 from my_utils.tools.bench.flops import model_flops_per_token
 from my_utils.tools.bench.harness import (BENCH_ROOT, WARMUP_STEPS, Settings, benchmarks, process_scaling,
                                           quick_settings, ratio_row, render_table, run_benchmark, workers)
@@ -60,11 +65,6 @@ def listing() -> str:
 
 
 def parse_args(argv=None) -> tuple[list[str], Settings]:
-    from my_utils.core.devices import fast_bf16
-    from my_utils.core.presets import get_preset
-    from my_utils.run.config import check_positive
-    from my_utils.run.results import check_outside_runs
-
     args = _parser().parse_args(argv)
     unknown = [n for n in args.names if n not in BENCHMARKS]
     if unknown:
@@ -72,14 +72,11 @@ def parse_args(argv=None) -> tuple[list[str], Settings]:
     for name in ("steps", "threads", "memory_batch_size", "memory_max_length", "repeats", "batch_size"):
         if getattr(args, name) is not None:
             check_positive(f"--{name.replace('_', '-')}", getattr(args, name))
-    from my_utils.core.devices import usable_cores
 
     if args.threads > usable_cores():
         raise UserError(f"--threads {args.threads} is more than this machine's {usable_cores()} cores; use "
                         f"--threads {usable_cores()} or fewer.")
     if args.data_file is not None:  # before any measured run starts
-        from my_utils.core.data import INSTRUCTION_COLUMNS, read_jsonl
-
         read_jsonl(args.data_file, INSTRUCTION_COLUMNS)
     if args.steps <= 2 * WARMUP_STEPS:
         raise UserError(f"--steps {args.steps} leaves too few steps after the {WARMUP_STEPS} warm-up steps; "
@@ -95,8 +92,6 @@ def parse_args(argv=None) -> tuple[list[str], Settings]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from my_utils.run.config import OneLineParser
-
     p = OneLineParser(prog="python -m my_utils bench", description=__doc__, epilog=listing(),
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default all): {', '.join(BENCHMARKS)}")

@@ -9,14 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.run.results import read_json
+from my_utils.run.results import atomic_write_json, load_run, read_json
 from my_utils.tools.bench.harness import WARMUP_STEPS, Settings, logging_steps
+from my_utils.tools.bench.loop import over_ranks, window_end, window_start
+from my_utils.workflows import lora
 
 
 def course_args(s: Settings, out: Path, batch_size: int, num_processes: int | None = None) -> list[str]:
     """The LoRA workflow's command line: training only is timed, so generation is skipped and the held-out
     set is small (at least one batch per process: the workflow drops incomplete batches)."""
-    return [*s.preset_args(), "--max-steps", s.steps, "--batch-size", batch_size, "--skip-generation-eval",
+    return [*s.preset_args(), "--max-steps", s.steps, "--local-batch-size", batch_size, "--skip-generation-eval",
             "--mixed-precision", "bf16" if s.bf16 else "no",
             "--eval-rows", 64, "--logging-steps", logging_steps(s.steps), "--output-dir", out,
             *(["--num-processes", num_processes] if num_processes else [])]
@@ -24,9 +26,6 @@ def course_args(s: Settings, out: Path, batch_size: int, num_processes: int | No
 
 def course_figures(out: Path) -> dict:
     """A LoRA workflow run's training figures: its summary and the per-rank timing written by ``run-course``."""
-    from my_utils.run.results import load_run
-    from my_utils.tools.bench.loop import over_ranks
-
     summary = read_json(out / "summary.json")
     ranks = [read_json(p) for p in sorted((out / "timing").glob("rank_*.json"))]
     return {**over_ranks(ranks), "steady": over_ranks([r["steady"] for r in ranks]),
@@ -47,10 +46,6 @@ def course_main(argv) -> None:
     the tokens its collator made and the settings that decide speed written per rank to <output-dir>/timing/."""
     from accelerate import PartialState
     from transformers import Trainer, TrainerCallback
-
-    from my_utils.run.results import atomic_write_json
-    from my_utils.tools.bench.loop import window_end, window_start
-    from my_utils.workflows import lora
 
     cfg = lora.parse_args(argv)
     if cfg.output_dir is None:
@@ -83,7 +78,7 @@ def course_main(argv) -> None:
     lora.train(cfg)
     rank = PartialState().process_index
     (Path(cfg.output_dir) / "timing").mkdir(exist_ok=True)
-    atomic_write_json(Path(cfg.output_dir) / "timing" / f"rank_{rank}.json", {"rank": rank, **measured})
+    atomic_write_json(Path(cfg.output_dir) / "timing" / f"rank_{rank}.json", {"process": rank, **measured})
 
 
 WORKERS = {"run-course": course_main}

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from my_utils.core.presets import get_preset
+from my_utils.run.launch import accelerate_command
 from my_utils.run.results import read_json
 from my_utils.tools.bench.course import course_args, course_figures
 from my_utils.tools.bench.harness import (WARMUP_STEPS, Settings, bench_env, logging_steps, pairs_detail,
                                           process_scaling, ratio_row, scaling_ratios)
+from my_utils.tools.bench.loop import over_ranks
 
 NAME = "ddp"
 HELP = ("the LoRA workflow on 2 processes x 1 thread against 1 x 1, same global batch, beside a bare DDP loop "
@@ -37,9 +40,6 @@ SETTLED = 0.02  # the equal-work speed-up over the whole call known within 0.02:
 
 def run(s: Settings, folder: Path):
     """The LoRA workflow and a bare DDP loop, each on 2 processes x 1 thread against 1 process x 1 thread."""
-    from my_utils.core.presets import get_preset
-    from my_utils.run.launch import accelerate_command
-
     global_batch = 2 * s.batch()
 
     def course(processes, out):
@@ -106,8 +106,6 @@ def run(s: Settings, folder: Path):
 
 def bare_figures(out: Path) -> dict:
     """A bare loop run's figures over its ranks (``run-loop`` records every rank's)."""
-    from my_utils.tools.bench.loop import over_ranks
-
     summary = read_json(out / "summary.json")
     return {**over_ranks(summary["ranks"]), "steady": over_ranks([r["steady"] for r in summary["ranks"]]),
             "world_size": summary["world_size"], "losses": summary["losses"]}

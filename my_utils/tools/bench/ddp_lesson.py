@@ -35,7 +35,7 @@ def run(s: Settings, folder: Path):
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                 "-m", "my_utils.workflows.ddp", *map(str, [
                     "--preset", s.preset, *(["--random-init"] if s.random_init else []),
-                    "--batch-size", GLOBAL_BATCH // processes, "--max-length", MAX_LENGTH, "--max-steps", steps,
+                    "--local-batch-size", GLOBAL_BATCH // processes, "--max-length", MAX_LENGTH, "--max-steps", steps,
                     "--untimed-steps", WARMUP_STEPS, "--logging-steps", steps, "--num-processes", processes,
                     "--output-dir", out])]
 
@@ -55,6 +55,6 @@ def run_figures(out: Path) -> dict:
     if summary["threads_per_process"] != 1:
         raise RuntimeError(f"{out} ran {summary['threads_per_process']} threads per process; the comparison is of "
                            "1 thread each.")
-    samples = summary["timed_steps"] * summary["effective_batch"]
+    samples = summary["timed_steps"] * summary["global_batch_size"]
     return {"world_size": summary["world_size"], "rate": summary["samples_per_s"],
             "cpu_rate": samples / max(summary["cpu_seconds_per_rank"])}

@@ -26,8 +26,15 @@ from importlib import import_module
 from pathlib import Path
 from statistics import median
 
-from my_utils.run.launch import run_logged
-from my_utils.run.results import RUNS_ROOT, Run, current_status, read_json
+from my_utils.core.devices import device_inventory
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.presets import get_preset
+from my_utils.core.tables import markdown_table, text_table
+from my_utils.run.launch import check_process_count, clean_env, run_logged
+from my_utils.run.lifecycle import recorded
+from my_utils.run.locks import current_status
+from my_utils.run.results import Run, check_new_run_dir, read_json
+from my_utils.tools.sweep import STEADY_MEMORY_ENV
 
 BENCH_ROOT = RUNS_ROOT / "bench"
 WARMUP_STEPS = 2  # steps before the steady-state window (first-step allocations, caches)
@@ -92,8 +99,6 @@ class Settings:
 
     def batch(self) -> int:
         """Examples per process: --batch-size, else the preset's."""
-        from my_utils.core.presets import get_preset
-
         return self.batch_size or get_preset(self.preset).batch_size
 
     def preset_args(self) -> list[str]:
@@ -119,9 +124,6 @@ def logging_steps(steps: int) -> int:
 def bench_env(s: Settings, threads: int | None = None) -> dict:
     """The environment of every measured process: offline as configured, ``threads`` intra-op threads, one
     precision for every run (the LoRA workflow and the bare loop both read ACCELERATE_MIXED_PRECISION)."""
-    from my_utils.run.launch import clean_env
-    from my_utils.tools.sweep import STEADY_MEMORY_ENV
-
     threads = threads or s.threads
     return clean_env(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false",
                      ACCELERATE_MIXED_PRECISION="bf16" if s.bf16 else "no", **STEADY_MEMORY_ENV)
@@ -168,8 +170,6 @@ def process_scaling(folder: Path, workflows: dict, repeats: int, env: dict, desc
     of load hits them all; ``settled(scaling)``, given, adds repeats (up to ``max_repeats``) until it returns True.
     Returns, per workflow, both configurations' figures and ``scaling_ratios`` of their runs (2 processes over 1).
     Run i of workflow w on n processes writes ``folder/w_xn_i``."""
-    from my_utils.run.launch import check_process_count
-
     check_process_count(2)
     variants = {f"{name}_x{n}": (lambda out, c=command, n=n: c(n, out))
                 for name, (command, _) in workflows.items() for n in (1, 2)}
@@ -202,9 +202,6 @@ def scaling_ratios(measured: list[dict], baseline: list[dict], rate: str = "rate
 def recorded_run(output_dir: str, config: dict, body, main: bool = True) -> None:
     """A worker's results folder: create it, run ``body`` and write its figures as summary.json (failed or
     interrupted else). With several processes, each runs ``body`` and only the ``main`` one records."""
-    from my_utils.run.lifecycle import recorded
-    from my_utils.run.results import check_new_run_dir
-
     run = Run.create(check_new_run_dir(output_dir), config=config) if main else None
     with recorded(run):
         figures = body()
@@ -267,8 +264,6 @@ def render_table(rows: list[dict], markdown: bool = False) -> str:
     each row's what-against-what on an indented line below it."""
     import textwrap
 
-    from my_utils.core.tables import markdown_table, text_table
-
     def cells(r):
         return [r["benchmark"], f"{r['ratio']:.3f}", "-" if r["cpu_time_ratio"] is None else f"{r['cpu_time_ratio']:.3f}",
                 verdict(r)]
@@ -325,9 +320,6 @@ def benchmark_folder(root: Path, name: str) -> Path:
 
 def run_benchmark(name: str, s: Settings, argv: list[str]) -> tuple[Path, list[dict]]:
     """Run one benchmark into a new results folder; returns the folder and its ratio rows."""
-    from my_utils.core.devices import device_inventory
-    from my_utils.run.lifecycle import recorded
-
     folder = benchmark_folder(Path(s.output_root), name)
     record = Run.create(folder, config=asdict(s), command=["python", "-m", "my_utils", "bench", *argv],
                         benchmark=name, load_average_before=os.getloadavg(), devices=device_inventory(),

@@ -12,6 +12,15 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 from my_utils import UserError
+from my_utils.core.adapters import AdapterSpec
+from my_utils.core.chunked_loss import use_chunked_loss
+from my_utils.core.data import load_instructions, padding_collator, tokenize_instructions
+from my_utils.core.models import add_adapter, build_causal_lm, load_tokenizer, set_threads
+from my_utils.core.presets import get_preset
+from my_utils.run.callbacks import TokenCounter
+from my_utils.run.config import OneLineParser
+from my_utils.run.lifecycle import join_world
+from my_utils.tools.bench.flops import model_flops_per_token
 from my_utils.tools.bench.harness import recorded_run
 
 
@@ -43,12 +52,6 @@ def bare_loop(cfg: LoopConfig) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_scheduler
-
-    from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.chunked_loss import use_chunked_loss
-    from my_utils.core.models import add_adapter, build_causal_lm, set_threads
-    from my_utils.core.presets import get_preset
-    from my_utils.tools.bench.flops import model_flops_per_token
 
     preset = get_preset(cfg.preset)
     set_threads()
@@ -83,10 +86,6 @@ def _loader(cfg: LoopConfig, preset, vocab_size: int, batch_size: int, max_lengt
     import torch
     from torch.utils.data import DataLoader, RandomSampler
     from transformers.trainer_pt_utils import LengthGroupedSampler
-
-    from my_utils.core.data import load_instructions, padding_collator, tokenize_instructions
-    from my_utils.core.models import load_tokenizer
-    from my_utils.run.callbacks import TokenCounter
 
     if cfg.random_tokens:  # FLOPs do not depend on the tokens' values: any architecture, offline
         ids = torch.randint(0, vocab_size, (batch_size * (cfg.steps + 1), max_length),
@@ -189,8 +188,6 @@ def over_ranks(figures: list[dict]) -> dict:
 def loop_main(argv) -> None:
     """``run-loop``: the bare accelerate + peft loop, into a results folder; launched on several processes
     (``accelerate launch``), a bare DDP loop whose summary holds every rank's figures."""
-    from my_utils.run.config import OneLineParser
-
     p = OneLineParser(prog="python -m my_utils bench run-loop", description=bare_loop.__doc__)
     _add_fields(p, LoopConfig, choices={"method": ("lora", "full"), "sampling": ("random", "group_by_length"),
                                         "mixed_precision": ("no", "bf16", "fp16")})
@@ -201,8 +198,6 @@ def loop_main(argv) -> None:
         raise UserError(f"--steps must be above --warmup-steps ({cfg.warmup_steps}): the steady state comes after it.")
     from accelerate import PartialState
     from accelerate.utils import gather_object
-
-    from my_utils.run.lifecycle import join_world
 
     join_world(None)  # the world the launcher asked for, on a CPU too
     state = PartialState()

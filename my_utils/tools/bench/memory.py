@@ -15,10 +15,19 @@ import sys
 import time
 from pathlib import Path
 
+from my_utils.core.adapters import AdapterSpec
+from my_utils.core.chunked_loss import use_chunked_loss
+from my_utils.core.devices import per_rank_device, usable_cores
+from my_utils.core.memory import peak_bytes, reset_peak, snapshot
+from my_utils.core.models import add_adapter, build_causal_lm, set_threads
+from my_utils.core.presets import get_preset
+from my_utils.run.callbacks import SavedActivations, gradient_bytes, model_weight_bytes, optimizer_state_bytes
+from my_utils.run.config import OneLineParser
+from my_utils.run.launch import run_logged
 from my_utils.run.results import read_json
 from my_utils.tools.bench import qlora
-from my_utils.run.launch import run_logged
 from my_utils.tools.bench.harness import Settings, bench_env, python_command, ratio_row, recorded_run
+from my_utils.tools.planner import plan
 
 NAME = "memory"
 HELP = ("one training step's peak memory, LoRA against full fine-tuning (gpt2 architecture), <= 0.5, with the "
@@ -32,8 +41,6 @@ ORDER = 40
 def run(s: Settings, folder: Path):
     """Peak memory of one training step: LoRA against full fine-tuning, gradient checkpointing on and off; 4-bit
     weights against bf16."""
-    from my_utils.core.devices import usable_cores
-
     env = bench_env(s, threads=usable_cores())  # one process at a time: memory is measured, time is secondary
     steps = _measured_steps(s, folder, env)
     weights = qlora.measure_in_fresh_process(s, folder / "qlora_weights", env, weights_only=True)
@@ -77,8 +84,6 @@ def planner_ratios(step: dict) -> dict[str, float]:
     """Planned / measured bytes of each part of a ``run-step`` (weights, gradients, AdamW states, saved
     activations), the plan made for the same architecture, method, batch, precision, checkpointing, loss and
     device."""
-    from my_utils.tools.planner import plan
-
     p = plan(step["preset"], step["method"], batch_size=step["batch"], max_length=step["seq"],
              device="cuda" if step["device"].startswith("cuda") else "cpu",
              dtype="bf16" if step["precision"].startswith("bf16") else "fp32",
@@ -108,8 +113,6 @@ def _measured_steps(s: Settings, folder: Path, env: dict) -> dict:
 
 def step_main(argv) -> None:
     """``run-step``: one measured training step (memory and time) in this fresh process, into a results folder."""
-    from my_utils.run.config import OneLineParser
-
     p = OneLineParser(prog="python -m my_utils bench run-step", description=measured_step.__doc__)
     p.add_argument("--preset", default="gpt2", help="architecture, built with random weights from its config")
     p.add_argument("--method", choices=("lora", "full"), default="lora")
@@ -136,12 +139,6 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
     import gc
 
     import torch
-
-    from my_utils.core.chunked_loss import use_chunked_loss
-    from my_utils.core.devices import per_rank_device
-    from my_utils.core.memory import peak_bytes, reset_peak, snapshot
-    from my_utils.core.models import set_threads
-    from my_utils.run.callbacks import SavedActivations, model_weight_bytes, optimizer_state_bytes
 
     set_threads()
     torch.manual_seed(0)
@@ -184,10 +181,6 @@ def measured_step(preset_name: str, method: str, batch: int, seq: int, gradient_
 
 def _model(preset_name: str, method: str, gradient_checkpointing: bool, device: str):
     """The preset's architecture with random weights on ``device``, checkpointed if asked, with LoRA r=8 or not."""
-    from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.models import add_adapter, build_causal_lm
-    from my_utils.core.presets import get_preset
-
     preset = get_preset(preset_name)
     model = build_causal_lm(preset, random_init=True).to(device)
     if gradient_checkpointing:
@@ -205,8 +198,6 @@ def _step_function(model, optimizer, device: str, bf16: bool):
     from contextlib import nullcontext
 
     import torch
-
-    from my_utils.run.callbacks import gradient_bytes
 
     autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16) if bf16 else nullcontext()
 

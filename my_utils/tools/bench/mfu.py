@@ -12,9 +12,12 @@ import time
 from pathlib import Path
 from statistics import median
 
-from my_utils.run.results import read_json
+from my_utils.core.models import set_threads
+from my_utils.run.config import OneLineParser
 from my_utils.run.launch import run_logged
+from my_utils.run.results import read_json
 from my_utils.tools.bench.harness import WARMUP_STEPS, Settings, bench_env, python_command, ratio_row, recorded_run
+from my_utils.tools.bench.loop import LoopConfig, bare_loop
 
 NAME = "mfu"
 HELP = "model FLOP/s of LoRA and full fine-tuning loops against this machine's measured matmul peak"
@@ -43,8 +46,6 @@ def run(s: Settings, folder: Path):
 
 def mfu_main(argv) -> None:
     """``run-mfu``: the matmul peak, LoRA and full fine-tuning loops on random-token blocks, the peak again."""
-    from my_utils.run.config import OneLineParser
-
     p = OneLineParser(prog="python -m my_utils bench run-mfu", description=mfu_main.__doc__)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch-size", type=int, default=None)
@@ -59,9 +60,6 @@ def measure_mfu(args) -> dict:
     """The matmul peak before and after each loop (their median is the peak), each loop's MFU in its steady state."""
     import torch
     from accelerate import PartialState
-
-    from my_utils.core.models import set_threads
-    from my_utils.tools.bench.loop import LoopConfig, bare_loop
 
     set_threads()
     device = str(PartialState().device)

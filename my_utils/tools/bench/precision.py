@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from my_utils.core.devices import fast_bf16
 from my_utils.tools.bench.course import course_args, course_figures
 from my_utils.tools.bench.harness import Settings, alternate, bench_env, python_command, ratio_row, throughput_ratio
 
@@ -22,8 +23,6 @@ REPEATS = 2
 
 def run(s: Settings, folder: Path):
     """The LoRA workflow in bf16 against fp32, training time only."""
-    from my_utils.core.devices import fast_bf16
-
     batch = s.batch()
 
     def workflow(bf16):

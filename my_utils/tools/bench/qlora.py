@@ -28,8 +28,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from my_utils.run.results import RUNS_ROOT, read_json
+from my_utils.core.adapters import AdapterSpec
+from my_utils.core.devices import per_rank_device, usable_cores
+from my_utils.core.memory import format_bytes, reset_peak, snapshot
+from my_utils.core.models import add_adapter, build_causal_lm, quantization_config, set_threads
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.presets import get_preset
+from my_utils.core.tables import text_table
+from my_utils.run.callbacks import (SavedActivations, gradient_bytes, model_weight_bytes, optimizer_state_bytes,
+                                    tensor_bytes)
+from my_utils.run.config import OneLineParser
 from my_utils.run.launch import run_logged
+from my_utils.run.lifecycle import recorded
+from my_utils.run.results import Run, check_new_run_dir, read_json, unique_dir
 from my_utils.tools.bench.harness import Settings, bench_env, python_command, ratio_row
 
 NAME = "qlora"
@@ -41,8 +52,6 @@ ORDER = 45
 
 def run(s: Settings, folder: Path):
     """QLoRA's weights and trainable state against bf16 weights and full fine-tuning's state."""
-    from my_utils.core.devices import usable_cores
-
     result = measure_in_fresh_process(s, folder / "qlora", bench_env(s, threads=usable_cores()))
     ratios = result["ratios"]
     rows = [weights_row(NAME, result, s.qlora_preset),
@@ -76,11 +85,6 @@ def measure(preset_name: str, rank: int, seq_len: int = 32, batch_size: int = 2,
     import torch
     from tqdm import tqdm
     from transformers.utils.logging import disable_progress_bar
-
-    from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.devices import per_rank_device
-    from my_utils.core.models import add_adapter, build_causal_lm, set_threads
-    from my_utils.core.presets import get_preset
 
     preset = get_preset(preset_name)
     set_threads()
@@ -121,10 +125,6 @@ def _weights(preset, tmp: str, results: dict, phases, device: str):
     Returns the 4-bit model and the vocabulary size."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from my_utils.core.memory import snapshot
-    from my_utils.core.models import build_causal_lm, quantization_config
-    from my_utils.run.callbacks import model_weight_bytes
 
     model = build_causal_lm(preset, random_init=True, dtype=torch.bfloat16)
     results["total_params"] = sum(p.numel() for p in model.parameters())
@@ -171,9 +171,6 @@ def one_step(model, batch) -> dict:
     and the activations kept for backward."""
     import torch
 
-    from my_utils.core.memory import reset_peak, snapshot
-    from my_utils.run.callbacks import SavedActivations, gradient_bytes, optimizer_state_bytes, tensor_bytes
-
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     model.train()
@@ -216,9 +213,6 @@ def _with_ratios(results: dict, started: float) -> dict:
 
 def report(r: dict) -> str:
     """The figures as tables: the weights (measured, predicted, against bf16), one AdamW step's state, the targets."""
-    from my_utils.core.memory import format_bytes
-    from my_utils.core.tables import text_table
-
     weights = [[name, format_bytes(r[key]), format_bytes(r.get(f"{key}_predicted")) if r.get(f"{key}_predicted") else "-",
                 f"{r[key] / r['weights_bf16']:.3f}"]
                for name, key in (("bf16", "weights_bf16"), ("8-bit (LLM.int8)", "weights_8bit"),
@@ -241,12 +235,6 @@ def report(r: dict) -> str:
 def qlora_main(argv) -> None:
     """``run-qlora``: QLoRA's weights (and, unless --weights-only, one training step's state) against bf16 weights
     and full fine-tuning, into a results folder; prints a report; exit code 1 when a target is missed."""
-    from my_utils.core.adapters import AdapterSpec
-    from my_utils.run.lifecycle import recorded
-    from my_utils.run.results import Run, check_new_run_dir, unique_dir
-
-    from my_utils.run.config import OneLineParser
-
     p = OneLineParser(prog="python -m my_utils bench run-qlora", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="opt-350m", help="preset whose architecture is built (random weights)")

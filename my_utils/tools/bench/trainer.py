@@ -12,6 +12,13 @@ import time
 from pathlib import Path
 from statistics import median
 
+from my_utils.core.adapters import AdapterSpec
+from my_utils.core.data import format_prompt, load_instructions
+from my_utils.core.models import add_adapter, build_causal_lm, load_tokenizer, set_threads
+from my_utils.core.presets import get_preset
+from my_utils.run.callbacks import TokenCounter
+from my_utils.run.config import OneLineParser
+from my_utils.run.launch import is_cpu_only
 from my_utils.run.results import read_json
 from my_utils.tools.bench.course import course_args, course_figures, speed_settings
 from my_utils.tools.bench.harness import (Settings, alternate, bench_env, logging_steps, python_command, ratio_row,
@@ -79,8 +86,6 @@ def useful_fraction(runs: list[dict]) -> float:
 def sft_main(argv) -> None:
     """``run-sft``: stock trl SFTTrainer (SFTConfig's defaults) on the workflow's model, data, batch, steps and
     learning-rate schedule, with LoRA from the same function; training time and tokens measured as the workflow's."""
-    from my_utils.run.config import OneLineParser
-
     p = OneLineParser(prog="python -m my_utils bench run-sft", description=sft_main.__doc__)
     p.add_argument("--preset", default="tiny")
     p.add_argument("--batch-size", type=int, default=None)
@@ -98,13 +103,6 @@ def sft_main(argv) -> None:
 def stock_sft(args) -> dict:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
-
-    from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.data import format_prompt, load_instructions
-    from my_utils.core.models import add_adapter, build_causal_lm, load_tokenizer, set_threads
-    from my_utils.core.presets import get_preset
-    from my_utils.run.callbacks import TokenCounter
-    from my_utils.run.launch import is_cpu_only
 
     preset = get_preset(args.preset)
     set_threads()

@@ -49,7 +49,8 @@ process, and adds them).
 from my_utils.tools.planner.activations import RESIDUAL_BYTES, layer_activations
 from my_utils.tools.planner.arithmetic import (ADAMW_STATE_BYTES, DTYPES, METHODS, NF4_BYTES, TRAINABLE_BYTES,
                                                ZERO_STAGES, Plan, estimate, shard)
-from my_utils.tools.planner.model_parallel import SCHEDULES, in_flight, split_estimate, tensor_shard
+from my_utils.core.pipeline import SCHEDULES, in_flight
+from my_utils.tools.planner.model_parallel import split_estimate, tensor_shard
 from my_utils.tools.planner.cli import main, render
 from my_utils.tools.planner.fits import FITS_CARDS, FITS_PRESETS, fits_table, largest_batch, split_fits_table
 from my_utils.tools.planner.layout import (ACTIVATIONS, MODELLED, Architecture, adapter_parameters, architecture,

@@ -6,16 +6,18 @@ import json
 from dataclasses import asdict, fields
 
 from my_utils import UserError
+from my_utils.core.adapters import AdapterSpec
 from my_utils.core.memory import format_bytes
+from my_utils.core.pipeline import SCHEDULES
+from my_utils.core.presets import PRESETS
+from my_utils.core.tables import text_table
+from my_utils.run.config import OneLineParser, add_arguments, build_config
 from my_utils.tools.planner.arithmetic import DTYPES, ZERO_STAGES, Plan
-from my_utils.tools.planner.model_parallel import SCHEDULES
-from my_utils.tools.planner.settings import plan
 from my_utils.tools.planner.runtime import DEVICES, device_memory, measure_baseline_rss, parse_size, with_runtime
+from my_utils.tools.planner.settings import plan
 
 
 def render(p: Plan, limit: float | None = None, limit_name: str = "") -> str:
-    from my_utils.core.tables import text_table
-
     rows = [[part, format_bytes(size), how] for part, size, how in p.parts()]
     devices = p.processes * p.tp * p.pp
     layout = " x ".join([f"{p.processes} data parallel"] + [f"{n} {kind}" for n, kind in
@@ -36,10 +38,6 @@ def render(p: Plan, limit: float | None = None, limit_name: str = "") -> str:
 
 def main(argv=None) -> Plan:
     import argparse
-
-    from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.presets import PRESETS
-    from my_utils.run.config import OneLineParser, add_arguments, build_config
 
     ap = OneLineParser(prog="python -m my_utils plan", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -4,9 +4,11 @@ as docs/planner.md shows it."""
 from __future__ import annotations
 
 from my_utils import UserError
+from my_utils.core.presets import get_preset
+from my_utils.core.tables import markdown_table
 from my_utils.tools.planner.arithmetic import ZERO_STAGES
-from my_utils.tools.planner.settings import plan
 from my_utils.tools.planner.runtime import DEVICES, with_runtime
+from my_utils.tools.planner.settings import plan
 
 FITS_PRESETS = ("gpt2", "smollm2-135m", "opt-350m")
 FITS_CARDS = ("T4", "A10G", "A100-40GB", "H100")
@@ -41,9 +43,6 @@ def fits_table(processes: int = 8) -> str:
     """A markdown table of what fits per card: for each real preset and method, with plain DDP and with ZeRO over
     ``processes`` GPUs, the largest batch per GPU that each of ``FITS_CARDS`` holds at the preset's sequence length
     (the planned peak, CUDA context included)."""
-    from my_utils.core.presets import get_preset
-    from my_utils.core.tables import markdown_table
-
     rows = []
     for preset in FITS_PRESETS:
         for method, dtype, stages in FITS_ROWS:
@@ -60,9 +59,6 @@ def split_fits_table() -> str:
     ``SPLIT_LAYOUTS`` (8 GPUs, full fine-tuning in bf16 autocast), the largest batch per data-parallel replica that
     each of ``FITS_CARDS`` holds at the preset's sequence length, with the plain loss over whole logits (as lesson
     09's tensor parallel gathers them) in every layout; a layout the model cannot take says why."""
-    from my_utils.core.presets import get_preset
-    from my_utils.core.tables import markdown_table
-
     rows = []
     for preset in FITS_PRESETS:
         for name, layout in SPLIT_LAYOUTS:
@@ -72,7 +68,7 @@ def split_fits_table() -> str:
                                          limit=SPLIT_LIMIT, **layout) for card in FITS_CARDS]
                 cells = [f">= {b}" if b == SPLIT_LIMIT // step * step else str(b) if b else "does not fit"
                          for b in batches]
-            except UserError as refused:  # a --tp that does not divide the heads: said once, in the first column
+            except UserError as refused:  # a layout the workflows refuse: said once, in the first column
                 cells = [str(refused).split(";")[0].replace(f"{preset}'s ", ""), *["-"] * (len(FITS_CARDS) - 1)]
             rows.append([preset, name, str(get_preset(preset).max_length), *cells])
     return markdown_table(["preset", "8 GPUs (full, bf16 autocast)", "seq", *FITS_CARDS], rows)

@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from my_utils import UserError
-from my_utils.core.models import FUSED_ACTIVATIONS
+from my_utils.core.adapters import ALL_LINEAR
+from my_utils.core.models import FUSED_ACTIVATIONS, max_positions
+from my_utils.core.presets import get_preset
 
 # The model types whose module layout the planner knows, each checked against what autograd saves
 # (tests/test_planner.py); any other is refused rather than planned with a guess.
@@ -84,8 +86,6 @@ def architecture(preset: str, role: str | None = None) -> Architecture:
     """The preset's model (causal LM, else classifier) built from its shipped config on the meta device."""
     from transformers import AutoConfig
 
-    from my_utils.core.presets import get_preset
-
     p = get_preset(preset)
     role = role or ("causal" if p.causal_model else "classifier")
     folder = p.offline_config.get(role)
@@ -107,8 +107,6 @@ def architecture_from_config(config, name: str, role: str = "causal") -> Archite
     from transformers.pytorch_utils import Conv1D
     from transformers.quantizers.base import get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
-
-    from my_utils.core.models import max_positions
 
     if config.model_type not in MODELLED:
         raise _refuse(name, f"it knows the layouts of {', '.join(MODELLED[:-1])} and {MODELLED[-1]} models, "
@@ -208,8 +206,6 @@ def _check_layout(name, linears, in_blocks, norms, layers, activation, gated, q_
 def lora_modules(arch: Architecture, targets) -> list[str]:
     """The linear layers peft adapts: those whose name is, or ends with, a target; "all-linear" is every linear
     layer inside the blocks (peft leaves the output head out)."""
-    from my_utils.core.adapters import ALL_LINEAR
-
     targets = tuple(targets)
     if targets == (ALL_LINEAR,):
         return [n for n in arch.linears if in_block(n)]

@@ -25,31 +25,17 @@ from my_utils import UserError
 from my_utils.tools.planner.activations import norm_bytes, residual_masks
 from my_utils.tools.planner.arithmetic import ADAMW_STATE_BYTES, DTYPES, TRAINABLE_BYTES, Plan, estimate, shard
 from my_utils.tools.planner.layout import Architecture, in_block, lora_parameters, role_of
-from my_utils.workflows.pipeline_parallel import SCHEDULES, in_flight
+from my_utils.core.pipeline import in_flight
 
-def check_split(arch: Architecture, method: str, *, tp: int, pp: int, microbatches: int, batch: int,
-                schedule: str, quantize: str, zero: int, gradient_checkpointing: bool) -> None:
-    """One sentence for a split the model does not allow, or one the planner does not model."""
-    if tp > 1:
-        if method != "full":
-            raise UserError("The planner models tensor parallel for full fine-tuning, as lesson 09 trains it; plan "
-                            "LoRA with --pp or data parallel.")
-        vocab = {} if arch.tied_embeddings else {"vocabulary": arch.vocab}
-        for what, size in {"heads": arch.heads, "key/value heads": arch.kv_heads,
-                           "MLP width": arch.intermediate, **vocab}.items():
-            if size % tp:
-                raise UserError(f"--tp {tp} does not divide {arch.name}'s {size} {what}; choose a --tp that does.")
-    if pp > 1:
-        if pp > arch.layers:
-            raise UserError(f"--pp {pp} is more stages than {arch.name}'s {arch.layers} blocks; use --pp "
-                            f"{arch.layers} or fewer.")
-        if schedule not in SCHEDULES:
-            raise UserError(f"Unknown schedule {schedule!r}; choose {' or '.join(SCHEDULES)}.")
-        if microbatches < 1 or batch % microbatches:
-            raise UserError(f"--microbatches {microbatches} does not divide the batch of {batch}; choose a divisor.")
-        if zero > 1:
-            raise UserError("The planner models ZeRO-1 with pipeline parallel, as DeepSpeed runs them together; use "
-                            "--zero 1 or 0.")
+def check_split(method: str, *, tp: int, pp: int, quantize: str, zero: int, gradient_checkpointing: bool) -> None:
+    """One sentence for a split the planner does not model (those the model does not allow are the workflows'
+    refusals: ``my_utils.core.splits``)."""
+    if tp > 1 and method != "full":
+        raise UserError("The planner models tensor parallel for full fine-tuning, as lesson 09 trains it; plan "
+                        "LoRA with --pp or data parallel.")
+    if pp > 1 and zero > 1:
+        raise UserError("The planner models ZeRO-1 with pipeline parallel, as DeepSpeed runs them together; use "
+                        "--zero 1 or 0.")
     if (tp > 1 or pp > 1) and (quantize != "none" or gradient_checkpointing):
         raise UserError("The planner does not model quantized weights or gradient checkpointing with --tp or --pp; "
                         "plan them without.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from my_utils import UserError
+from my_utils.core.records import adapter_spec_of, method_of
 from my_utils.tools.planner.arithmetic import Plan
 from my_utils.tools.planner.settings import plan
 
@@ -22,34 +23,31 @@ COMPARED = (("weights", "weights", "weights"), ("gradients", "gradients", "gradi
             ("saved activations", "saved_activations", "saved_activations"))
 
 
-def plan_for_run(summary: dict, rank: int = 0) -> Plan:
-    """The plan for what a run of the LoRA workflow did on process ``rank``: its preset, method, quantization,
-    LoRA rank and targets, mixed precision, processes, device, and the shape of the first batch it trained on
-    (the batch its memory callback measured the saved activations of)."""
-    from my_utils.core.adapters import AdapterSpec
-
+def plan_for_run(run: dict, process: int = 0) -> Plan:
+    """The plan for what a run of the LoRA workflow (``run``: its folder as ``load_run`` reads it) did on process
+    ``process``: its preset, method, quantization, adapter, mixed precision, processes, device, and the shape of the
+    first batch it trained on (the batch its memory callback measured the saved activations of)."""
+    summary = run["summary"]
     if summary.get("workflow") != "lora" or not summary.get("first_batches"):
-        raise UserError("Only a LoRA-workflow summary (my_utils.workflows.lora) records what the plan needs; "
-                        "pass the summary.json of such a run.")
+        raise UserError("Only a LoRA-workflow run (my_utils.workflows.lora) records what the plan needs; "
+                        "pass the results folder of such a run, as load_run reads it.")
     quantization = summary["quantization"]
-    first = summary["first_batches"][rank]
-    method = "full" if summary["method"] == "full" else "lora" if quantization is None else "qlora"
-    recorded = summary.get("adapter")  # None for full fine-tuning
-    adapter = AdapterSpec(**{**recorded, "targets": tuple(recorded["targets"] or ())}) if recorded else None
-    return plan(summary["preset"], method, adapter=adapter,
+    first = summary["first_batches"][process]
+    method = "full" if method_of(run["run"], summary) == "full" else "lora" if quantization is None else "qlora"
+    return plan(summary["preset"], method, adapter=adapter_spec_of(run["run"]),
                 quantize=None if quantization is None else f"{quantization['bits']}bit",
                 batch_size=first["batch_size"], max_length=first["seq_len"],
                 processes=summary["world_size"], gradient_checkpointing=summary.get("gradient_checkpointing", False),
                 chunked_loss=summary.get("chunked_loss", False),  # runs from before it had the plain loss
                 dtype="fp32" if summary["mixed_precision"] == "no" else "bf16",  # fp16 autocast: 2 bytes as bf16
-                device="cuda" if summary["memory"][rank]["end"]["device"].startswith("cuda") else "cpu")
+                device="cuda" if summary["memory"][process]["end"]["device"].startswith("cuda") else "cpu")
 
 
-def compare_with_run(summary: dict, rank: int = 0) -> list[Row]:
-    """Each part a run measured from its tensors on process ``rank`` (weights, gradients, optimizer states,
+def compare_with_run(run: dict, process: int = 0) -> list[Row]:
+    """Each part a run measured from its tensors on process ``process`` (weights, gradients, optimizer states,
     saved activations) beside the plan for that run (``plan_for_run``). The process baseline and the DDP
     buckets are not tensors the run counts, so they are not compared."""
-    p = plan_for_run(summary, rank)
-    measured = summary["memory"][rank]["breakdown"]
+    p = plan_for_run(run, process)
+    measured = run["summary"]["memory"][process]["breakdown"]
     return [Row(name, measured[key], getattr(p, attr), getattr(p, attr) / measured[key])
             for name, key, attr in COMPARED]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from my_utils import UserError
 from my_utils.core.memory import GiB, MiB
+from my_utils.run.launch import clean_env
 
 if TYPE_CHECKING:
     from my_utils.tools.planner.arithmetic import Plan
@@ -48,7 +49,6 @@ def measure_baseline_rss(quantize: str = "none") -> int:
         + "from my_utils.core.memory import process_rss\n"
         + "print(process_rss())\n"
     )
-    from my_utils.run.launch import clean_env
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), check=True)
     return int(out.stdout.strip().splitlines()[-1])

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import fields
 
 from my_utils import UserError
+from my_utils.core.adapters import LORA, AdapterSpec, read_adapter_file
+from my_utils.core.presets import get_preset
+from my_utils.core.splits import check_pipeline_split, check_tensor_split, model_config
+from my_utils.run.config import check_positive
 from my_utils.tools.planner.arithmetic import DTYPES, METHODS, ZERO_STAGES, Plan
-from my_utils.tools.planner.layout import architecture
+from my_utils.tools.planner.layout import architecture, architecture_from_config
 from my_utils.tools.planner.model_parallel import check_split, split_estimate
 
 # The adapter settings the arithmetic models; any other set away from its default is refused, so a new peft
@@ -17,8 +21,6 @@ MODELLED_ADAPTER_FIELDS = ("rank", "alpha", "targets", "rslora", "adapter_config
 def check_adapter_modelled(adapter) -> None:
     """One sentence if ``adapter`` (an AdapterSpec) uses a setting or a method whose memory the planner does not
     model (it models LoRA's; ``adapter_parameters`` counts the other methods' parameters)."""
-    from my_utils.core.adapters import LORA, read_adapter_file
-
     for f in fields(adapter):
         if f.name not in MODELLED_ADAPTER_FIELDS and getattr(adapter, f.name) != f.default:
             raise UserError(f"The planner does not model the memory of --{f.name.replace('_', '-')} "
@@ -44,10 +46,6 @@ def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | N
     ``tp`` and ``pp`` split each of the ``processes`` replicas over more processes, ``microbatches`` (default: the
     stages) at a time through the pipeline on ``schedule`` (``model_parallel``): ``batch_size`` is then per replica.
     """
-    from my_utils.core.adapters import AdapterSpec
-    from my_utils.core.presets import get_preset
-    from my_utils.run.config import check_positive
-
     p = get_preset(preset)
     method, quantize = _method(method, quantize)
     if dtype not in DTYPES:
@@ -65,7 +63,15 @@ def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | N
     if method != "full":
         adapter.check()
         check_adapter_modelled(adapter)
-    arch = architecture(preset)
+    check_split(method, tp=tp, pp=pp, quantize=quantize, zero=zero, gradient_checkpointing=gradient_checkpointing)
+    if tp > 1:  # the model lesson 09's tensor parallel splits, and what it refuses
+        config = model_config(p)
+        check_tensor_split(config, tp, sequence_parallel, seq)
+        arch = architecture_from_config(config, preset)
+    else:
+        arch = architecture(preset)
+    if pp > 1:  # what lesson 08's pipeline refuses
+        check_pipeline_split(pp, arch.layers, batch, microbatches, schedule)
     if arch.positions and seq > arch.positions:
         raise UserError(f"--max-length {seq} is longer than {preset} allows ({arch.positions} positions); use "
                         f"--max-length {arch.positions} or less.")
@@ -75,8 +81,6 @@ def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | N
     if method != "full" and width is not None and adapter.rank > width:
         raise UserError(f"LoRA rank {adapter.rank} is above the width of the layers it adapts ({width}), where a "
                         f"rank-{width} update is already a full one; use --rank {width} or less.")
-    check_split(arch, method, tp=tp, pp=pp, microbatches=microbatches, batch=batch, schedule=schedule,
-                quantize=quantize, zero=zero, gradient_checkpointing=gradient_checkpointing)
     return split_estimate(arch, method, tp=tp, pp=pp, microbatches=microbatches, schedule=schedule,
                           sequence_parallel=sequence_parallel, quantize=quantize, rank=adapter.rank,
                           targets=adapter.targets, batch=batch, seq=seq, processes=processes, dtype=dtype,

@@ -1,5 +1,5 @@
-"""A LoRA sweep over a grid of settings: one fresh process per cell, each writing its own results folder, then
-tables, plots and sentences computed from those folders.
+"""A LoRA sweep over a grid of settings: one fresh process per cell, each writing its own results folder, and the
+rows read back from those folders (lesson 07's tables, plots and sentences about them: ``my_utils.lessons.rank_sweep``).
 
     python -m my_utils sweep --preset tiny --grid rank=1,4,16,64 alpha=32 --output-dir runs/sweeps/tiny
     python -m my_utils sweep --preset tiny --grid rank=4,64 alpha=32 learning_rate=2e-3,8e-3 \\
@@ -23,33 +23,13 @@ cell's peak memory is still its own process's, but a cell's runtime then depends
 runtimes only between cells that ran under the same conditions.
 """
 
-from my_utils.tools.sweep.analysis import (learning_rate_curves, learning_rate_findings, learning_rate_table,
-                                           plot_costs, plot_learning_rates, plot_scaling, rank_ladder, report,
-                                           scaling_findings, scaling_lines, scaling_rules, scaling_table,
-                                           targets_findings, tradeoffs, best_rate)
-from my_utils.tools.sweep.cli import main, parse_args, parse_grid, read_spec
+from my_utils.tools.sweep.cli import parse_args, parse_grid, read_spec
 from my_utils.tools.sweep.results import (ADAPTER_SETTINGS, SETTINGS, load_sweep, seed_means, seed_noise, select,
                                           sweep_table, update_scale)
 from my_utils.tools.sweep.running import STEADY_MEMORY_ENV, run_sweep
 from my_utils.tools.sweep.spec import LONGEST_NAME, SweepSpec, cell_command, cell_name, workflow_options
 
 __all__ = [
-    "learning_rate_curves",
-    "learning_rate_findings",
-    "learning_rate_table",
-    "plot_costs",
-    "plot_learning_rates",
-    "plot_scaling",
-    "rank_ladder",
-    "report",
-    "scaling_findings",
-    "scaling_lines",
-    "scaling_rules",
-    "scaling_table",
-    "targets_findings",
-    "tradeoffs",
-    "best_rate",
-    "main",
     "parse_args",
     "parse_grid",
     "read_spec",

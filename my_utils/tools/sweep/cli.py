@@ -1,4 +1,5 @@
-"""``python -m my_utils sweep``: grids or a spec file from the command line, run, then the report."""
+"""The command line of ``python -m my_utils sweep``: grids or a spec file, read into a spec (the command itself, run
+then report, is ``my_utils.lessons.rank_sweep.main``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.run.results import RUNS_ROOT
-from my_utils.tools.sweep.analysis import report
-from my_utils.tools.sweep.running import run_sweep
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.run.config import OneLineParser
 from my_utils.tools.sweep.spec import DEFAULT_ARGS, SweepSpec
 
 
@@ -63,8 +63,6 @@ def read_spec(path: Path) -> dict:
 def parse_args(argv=None) -> tuple[SweepSpec, Path, int]:
     import argparse
 
-    from my_utils.run.config import OneLineParser
-
     p = OneLineParser(prog="python -m my_utils sweep", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", type=Path, help="a JSON file with preset, grids, args (the options below override it)")
@@ -78,7 +76,7 @@ def parse_args(argv=None) -> tuple[SweepSpec, Path, int]:
     p.add_argument("--jobs", type=int, default=1,
                    help="one-process cells trained side by side on a CPU (default 1: one at a time)")
     p.add_argument("--num-processes", type=int, help="processes per cell's run (accelerate launch when > 1)")
-    shared = {"max-steps": (int, "optimizer steps per cell"), "batch-size": (int, "per process"),
+    shared = {"max-steps": (int, "optimizer steps per cell"), "local-batch-size": (int, "per process"),
               "eval-rows": (int, "held-out rows for the loss and exact match"), "max-length": (int, "tokens"),
               "learning-rate": (float, "the workflow's learning rate")}
     for name, (kind, text) in shared.items():
@@ -95,10 +93,3 @@ def parse_args(argv=None) -> tuple[SweepSpec, Path, int]:
     spec = SweepSpec(preset=preset, grids=grids or spec.get("grids", []), args=args,
                      num_processes=a.num_processes or spec.get("num_processes", 1))
     return spec, a.out or RUNS_ROOT / "sweeps" / preset, a.jobs
-
-
-def main(argv=None) -> None:
-    spec, out, jobs = parse_args(argv)
-    run_sweep(spec, out, jobs)
-    print("\n" + report(out))
-    print(f"\nsweep folder: {out}")

@@ -8,7 +8,12 @@ from dataclasses import fields
 from pathlib import Path
 
 from my_utils.core.adapters import AdapterSpec
-from my_utils.run.results import current_status, load_run, read_json
+from my_utils.core.memory import format_bytes
+from my_utils.core.records import row_of
+from my_utils.core.stats import pooled_noise
+from my_utils.core.tables import text_table
+from my_utils.run.locks import current_status
+from my_utils.run.results import load_run, read_json
 from my_utils.tools.sweep.spec import cell_name
 
 
@@ -27,16 +32,9 @@ def saved_cells(out: Path) -> list[dict]:
 
 
 # What a row says about its cell: the settings in effect (defaults resolved), from summary.json and run.json; the
-# adapter's are every field of AdapterSpec.
+# adapter's are every field of AdapterSpec, read from peft's recorded config (``my_utils.core.records``).
 ADAPTER_SETTINGS = tuple(f.name for f in fields(AdapterSpec) if f.metadata.get("flag") is not False)
 SETTINGS = ("method", *ADAPTER_SETTINGS, "learning_rate", "steps", "seed")
-
-
-def run_settings(run: dict) -> dict:
-    """A run's settings as it ran: its recorded config, then its summary (the resolved values win), each with
-    the adapter's fields at the top level."""
-    config, summary = run["run"]["config"], run["summary"]
-    return {**config, **(config.get("adapter") or {}), **summary, **(summary.get("adapter") or {})}
 
 
 def load_sweep(out: str | Path) -> list[dict]:
@@ -50,12 +48,13 @@ def load_sweep(out: str | Path) -> list[dict]:
             continue
         run = load_run(folder)
         s = run["summary"]
-        settings = run_settings(run)
+        settings = row_of(run["run"], s)  # the recorded config, the resolved values of the summary over it
         rows.append({
             "name": folder.name,
             "path": str(folder),
             "cell": cell,
             **{key: settings.get(key) for key in SETTINGS},
+            "peft_type": settings["peft_type"],
             "pid": run["run"].get("pid"),
             "ppid": run["run"].get("ppid"),
             "runtime_s": s["runtime_s"],
@@ -89,8 +88,6 @@ def seed_means(rows: list[dict]) -> list[dict]:
 def seed_noise(rows: list[dict]):
     """The held-out loss's spread between seeds, pooled over every setting that ran two seeds or more (a
     ``my_utils.core.stats.Noise``), or None where none did: then no difference is called noise."""
-    from my_utils.core.stats import pooled_noise
-
     groups = [r["eval_losses"] for r in seed_means(rows) if len(r["eval_losses"]) > 1]
     return pooled_noise(groups) if groups else None
 
@@ -140,9 +137,6 @@ def number_text(value, fmt: str) -> str:
 
 def sweep_table(rows: list[dict]) -> str:
     """Every cell's figures, one line per cell (the folder's name says the cell)."""
-    from my_utils.core.memory import format_bytes
-    from my_utils.core.tables import text_table
-
     header = ["cell", "scale", "trainable", "adapter", "peak memory", "runtime", "held-out loss", "final train loss",
               "exact match"]
     table = [[r["name"], number_text(update_scale(r), "{:.3g}"), f"{r['trainable_params']:,}",

@@ -10,7 +10,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 from my_utils import JobFailed, UserError
-from my_utils.run.results import atomic_write_json, read_json, unique_dir
+from my_utils.core.devices import usable_cores
+from my_utils.core.models import check_available
+from my_utils.core.paths import REPO_ROOT
+from my_utils.core.presets import get_preset
+from my_utils.core.progress import Progress
+from my_utils.run.config import check_positive
+from my_utils.run.divergence import diverged
+from my_utils.run.launch import check_process_count, clean_env, is_cpu_only
+from my_utils.run.locks import hold_folder, release_folder
+from my_utils.run.redaction import hash_secrets, redact_secrets
+from my_utils.run.results import atomic_write_json, check_outside_runs, read_json, unique_dir
 from my_utils.tools.sweep.results import cell_status, load_sweep, saved_cells
 from my_utils.tools.sweep.spec import SweepSpec, cell_command, cell_name
 
@@ -28,7 +38,7 @@ def _check_same_experiment(spec: SweepSpec, out: Path) -> None:
     if not saved_file.is_file():
         return
     saved = read_json(saved_file)
-    mine = asdict(spec)
+    mine = hash_secrets(asdict(spec))  # as sweep.json records it
     different = [k for k in ("preset", "args", "num_processes") if saved.get(k) != json.loads(json.dumps(mine[k]))]
     if different:
         raise UserError(
@@ -45,15 +55,9 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     only). ``fresh_processes=False``: ``jobs`` worker processes (``my_utils.tools.sweep_worker``) train the cells
     one after another, importing the libraries once instead of once per cell (seconds a cell); each cell's results
     and tensor memory are its own, its process's peak memory (``peak_memory_bytes``) is not. Every cell's output goes to ``output.log`` in its folder; a line per cell says how it ended. A cell that
-    fails does not stop the others (JobFailed at the end names them), unless it refused its input (exit code 2):
-    the others would refuse it too, so the sweep stops with that cell's sentence. A model that is neither cached
+    fails or diverges does not stop the others (JobFailed at the end names them), unless it refused its input (exit
+    code 2): the others would refuse it too, so the sweep stops with that cell's sentence. A model that is neither cached
     nor downloadable stops it before any cell starts."""
-
-    from my_utils.core.devices import usable_cores
-    from my_utils.run.config import check_positive
-    from my_utils.run.launch import check_process_count, is_cpu_only
-    from my_utils.run.results import check_outside_runs, hold_folder, release_folder
-
     out = Path(out).absolute()  # the cells run where the sweep was started, and write here whatever their folder
     check_positive("--jobs", jobs)
     check_process_count(spec.num_processes)
@@ -70,9 +74,6 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
     check_outside_runs(out)
     _check_same_experiment(spec, out)
     if not spec.args.get("random_init"):
-        from my_utils.core.models import check_available
-        from my_utils.core.presets import get_preset
-
         check_available(get_preset(spec.preset).require("causal"))
     out.mkdir(parents=True, exist_ok=True)
     hold_folder(out, "The sweep folder")  # one sweep per folder at a time, for as long as this one runs
@@ -84,13 +85,8 @@ def run_sweep(spec: SweepSpec, out: str | Path, jobs: int = 1, steady_memory: bo
 
 def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool, fresh_processes: bool) -> list[dict]:
     """``run_sweep``'s work once its checks passed and it holds the sweep folder."""
-    from my_utils.core.devices import usable_cores
-    from my_utils.core.progress import Progress
-    from my_utils.run.launch import clean_env
-    from my_utils.run.results import redact_secrets
-
     cells = {cell_name(c): c for c in saved_cells(out)} | {cell_name(c): c for c in spec.cells()}
-    atomic_write_json(out / "sweep.json", redact_secrets({**asdict(spec), "cells": list(cells.values())}))
+    atomic_write_json(out / "sweep.json", hash_secrets({**asdict(spec), "cells": list(cells.values())}))
 
     todo, skipped = [], 0
     for cell in spec.cells():
@@ -143,7 +139,7 @@ def _run_cells(spec: SweepSpec, out: Path, jobs: int, steady_memory: bool, fresh
                     bar.write(_ended(folder, time.perf_counter() - started))
                     if cell_status(folder) != "complete" and (folder.is_dir() or proc.returncode != 2):
                         failed.append(folder.name)
-                if proc.returncode == 2:
+                if proc.returncode == 2 and not all(diverged(folder) for folder in folders):
                     refused = next((f for f in (out / f"{folder.name}.log" for folder in folders) if f.is_file()), log)
                     said = [line for line in refused.read_text(encoding="utf-8").splitlines() if ": error: " in line]
                     reason = said[-1].split(": error: ", 1)[1] if said else f"see {refused}"
@@ -189,8 +185,6 @@ def _start(cmd: list[str], env: dict, log):
     import os
     import subprocess
 
-    from my_utils.run.results import REPO_ROOT, redact_secrets
-
     log.write("$ " + " ".join(redact_secrets(cmd)) + "\n")
     log.flush()
     path = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
@@ -200,6 +194,8 @@ def _start(cmd: list[str], env: dict, log):
 def _ended(folder: Path, seconds: float) -> str:
     status = cell_status(folder) or "failed before its folder was made"
     line = f"{folder.name}: {status} after {seconds:.0f} s"
+    if status == "failed" and diverged(folder):  # the sentence that says at which step and what to lower
+        line += f" ({read_json(folder / 'run.json')['error'].split(': ', 1)[1]})"
     if status == "complete":
         loss = read_json(folder / "summary.json").get("eval_loss")
         line += "" if loss is None else f", held-out loss {loss:.3f}"

@@ -13,6 +13,13 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePath
 
 from my_utils import UserError
+from my_utils.core.devices import meta_model
+from my_utils.core.models import check_lora_targets
+from my_utils.core.presets import get_preset
+from my_utils.run.config import RunSettings, TrainingSettings, config_parser
+from my_utils.run.launch import accelerate_command
+from my_utils.run.redaction import hash_secrets
+from my_utils.workflows.lora import DESCRIPTION, Config, parse_args, validate
 
 
 WORKFLOW = "my_utils.workflows.lora"
@@ -26,16 +33,13 @@ REAL_MODEL_GRIDS = [{"rank": [8, 128, 256], "alpha": [16]}]
 # fp32 (its matrices are too small for bf16 autocast to pay for itself).
 DEFAULT_ARGS = {"tiny": {"max_steps": 40, "eval_rows": 100, "logging_steps": 5, "mixed_precision": "no"}}
 # Short names of options in a cell's folder name (the others keep theirs).
-SHORT_NAMES = {"learning_rate": "lr", "max_steps": "steps", "batch_size": "batch"}
+SHORT_NAMES = {"learning_rate": "lr", "max_steps": "steps", "local_batch_size": "batch"}
 
 
 def workflow_options() -> dict:
     """The workflow's options, in its order: the command line ``parse_config`` generates from its Config (the
     adapter's fields included), name -> argparse action. A field added to the Config or to ``AdapterSpec`` is an
     option here with no edit."""
-    from my_utils.run.config import config_parser
-    from my_utils.workflows.lora import DESCRIPTION, Config
-
     parser = config_parser(Config, prog=WORKFLOW, description=DESCRIPTION)
     return {action.dest: action for action in parser._actions if action.option_strings and action.dest != "help"}
 
@@ -57,8 +61,6 @@ def option_flags(options: dict) -> list[str]:
 def _workflow_config(options: dict):
     """The workflow's Config for ``options``, read by the workflow's own parser (its types and choices); the
     parser's one-line complaint becomes a UserError."""
-    from my_utils.workflows.lora import parse_args
-
     complaint = io.StringIO()
     try:
         with contextlib.redirect_stderr(complaint):
@@ -112,9 +114,11 @@ def _name_part(text: str) -> str:
 
 def cell_name(cell: dict) -> str:
     """A cell's folder name, from its options: ``rank16_alpha32_lr0.004``, ``full_lr0.0004``, ``rank4_rslora``,
-    ``a-1f2e3d4c`` for a data file ``/data/a.jsonl``; always one folder inside the sweep's."""
+    ``a-1f2e3d4c`` for a data file ``/data/a.jsonl``; always one folder inside the sweep's. A secret in a value
+    (a token-shaped file name) is named by its hash (``hash_secrets``), as sweep.json records it: the name is the same
+    from the real cell and from the recorded one, and holds no part of the secret."""
     parts = []
-    for key, value in cell.items():
+    for key, value in hash_secrets(cell).items():
         if value is True:
             parts.append(key)
         elif isinstance(value, list):
@@ -140,9 +144,6 @@ class SweepSpec:
     num_processes: int = 1
 
     def __post_init__(self):
-        from my_utils.core.presets import get_preset
-        from my_utils.workflows.lora import validate
-
         get_preset(self.preset)
         options = workflow_options()
         self.args = {key: _canonical(key, value, options) for key, value in self.args.items()}
@@ -176,8 +177,6 @@ class SweepSpec:
         shared training settings last, so that a name reads method first: ``rank16_alpha32_lr0.004``; None and
         False, the workflow's defaults, left out). A cell that runs what an earlier one runs (``seed`` 0 beside no
         seed: the workflow's default) is that cell, not a second run of it."""
-        from my_utils.run.config import RunSettings, TrainingSettings
-
         training = {f.name for f in fields(TrainingSettings)} - {f.name for f in fields(RunSettings)}
         order = sorted(workflow_options(), key=lambda option: option in training)
         cells, runs = {}, set()
@@ -198,14 +197,10 @@ class SweepSpec:
 def _check_adapters(preset_name: str, adapters: set) -> None:
     """Every (target modules, rank) exists in the preset's architecture and fits its layers (built on the meta
     device: no weights)."""
-    from my_utils.core.presets import get_preset
-
     preset = get_preset(preset_name)
     shipped = preset.offline_config.get("causal")
     if not adapters or not shipped:
         return
-    from my_utils.core.devices import meta_model
-    from my_utils.core.models import check_lora_targets
 
     model = meta_model(shipped)
     for targets, rank in sorted(adapters, key=str):
@@ -214,8 +209,6 @@ def _check_adapters(preset_name: str, adapters: set) -> None:
 
 def cell_command(spec: SweepSpec, cell: dict, folder: Path) -> list[str]:
     """The command that trains one cell in a new process (``accelerate launch`` for several processes)."""
-    from my_utils.run.launch import accelerate_command
-
     args = ["--preset", spec.preset, *option_flags({**spec.args, **cell}), "--output-dir", str(folder)]
     if spec.num_processes > 1:
         return accelerate_command(WORKFLOW, [*args, "--num-processes", str(spec.num_processes)],

@@ -13,16 +13,27 @@ from typing import ClassVar
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.run.config import TrainingSettings, parse_config, setting
-from my_utils.run.results import RUNS_ROOT
+from my_utils.core.blocks import block_dataset
+from my_utils.core.data import check_enough_rows
+from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.presets import get_preset
+from my_utils.core.printing import rank_print
+from my_utils.run.cli import command_line
+from my_utils.run.config import LocalBatchSettings, check_choice, setting
+from my_utils.run.launch import is_cpu_only
+from my_utils.run.lifecycle import join_world, run_lifecycle
+from my_utils.run.results import Run, atomic_write_json
+from my_utils.run.trackers import check_report_to
+from my_utils.workflows.ddp_common import build_model, throughput, validate_common, worker_report, write_worker_report
 
 MIXED_PRECISION = ("no", "bf16", "fp16")
 
 
 @dataclass
-class Config(TrainingSettings):
-    TRAINING_DEFAULTS: ClassVar[dict] = {"batch_size": 8, "max_steps": 10, "max_length": 128}
-    SETTING_HELP: ClassVar[dict] = {"batch_size": "blocks per process per batch", "max_length": "tokens per packed block"}
+class Config(LocalBatchSettings):
+    TRAINING_DEFAULTS: ClassVar[dict] = {"local_batch_size": 8, "max_steps": 10, "max_length": 128}
+    SETTING_HELP: ClassVar[dict] = {"local_batch_size": "blocks per process per batch",
+                                    "max_length": "tokens per packed block"}
     dropout: float = setting(0.0, "dropout probability everywhere")
     mixed_precision: str = setting("no", "(step 3 on) autocast dtype of the forward pass; fp16 needs a GPU",
                                    choices=MIXED_PRECISION)
@@ -33,10 +44,6 @@ class Config(TrainingSettings):
 
 def validate(cfg: Config):
     """Check the config before anything starts; returns the preset."""
-    from my_utils.run.config import check_choice
-    from my_utils.run.launch import is_cpu_only
-    from my_utils.workflows.ddp_common import validate_common
-
     preset = validate_common(cfg)
     check_choice("mixed precision", cfg.mixed_precision, MIXED_PRECISION)
     if cfg.mixed_precision == "fp16" and is_cpu_only():
@@ -53,8 +60,6 @@ def validate(cfg: Config):
 
 def resolve(cfg: Config, preset, world_size: int) -> Config:
     """Every default settled, as run.json records it: the learning rate, the world size and the trackers by name."""
-    from my_utils.run.trackers import check_report_to
-
     return replace(cfg, **cfg.settled(preset), num_processes=world_size, report_to=check_report_to(cfg.report_to))
 
 
@@ -62,9 +67,6 @@ def build(cfg: Config):
     """(model, dataset): the preset's causal LM (dropout set from the config, on the CPU) and its packed blocks,
     shuffled once with the seed. The order is fixed so that a resumed run continues exactly where it stopped."""
     import torch
-
-    from my_utils.core.presets import get_preset
-    from my_utils.workflows.ddp_common import block_dataset, build_model
 
     preset = get_preset(cfg.preset)
     blocks = block_dataset(preset, cfg.max_length)
@@ -111,8 +113,6 @@ def jsonl_tracker(run_dir):
 
     from accelerate.tracking import GeneralTracker, on_main_process
 
-    from my_utils.run.results import Run, atomic_write_json
-
     class JsonlTracker(GeneralTracker):
         name = "jsonl"
         requires_logging_directory = False
@@ -152,16 +152,11 @@ def run_step(loop, cfg: Config, loop_has_trackers: bool = False) -> dict:
     import torch
     from accelerate import PartialState
 
-    from my_utils.core.data import check_enough_rows
-    from my_utils.core.printing import rank_print
-    from my_utils.run.lifecycle import join_world, run_lifecycle
-    from my_utils.workflows.ddp_common import block_dataset, throughput, worker_report, write_worker_report
-
     step_name = module_name(loop)
     preset = validate(cfg)
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     cfg = resolve(cfg, preset, world_size)
-    check_enough_rows(len(block_dataset(preset, cfg.max_length)), cfg.batch_size * cfg.grad_accum * world_size)
+    check_enough_rows(len(block_dataset(preset, cfg.max_length)), cfg.global_batch(world_size))
     torch.manual_seed(cfg.seed)  # (transformers.set_seed would import bitsandbytes)
     default_dir = RUNS_ROOT / "accelerate_steps" / f"{step_name.rsplit('.', 1)[-1]}_{cfg.preset}_x{world_size}"
     with run_lifecycle(cfg, world_size, default_dir=default_dir, workflow=step_name,
@@ -173,26 +168,20 @@ def run_step(loop, cfg: Config, loop_has_trackers: bool = False) -> dict:
         losses = result["losses"]
         life.finish({
             "workflow": step_name, "preset": cfg.preset, "world_size": world_size, "backend": report["backend"],
-            "threads_per_process": torch.get_num_threads(), "batch_size_per_process": cfg.batch_size,
+            "threads_per_process": torch.get_num_threads(), "local_batch_size": cfg.local_batch_size,
             "mixed_precision": cfg.mixed_precision, "grad_accum": cfg.grad_accum,
-            "effective_batch": cfg.batch_size * cfg.grad_accum * world_size, "max_length": cfg.max_length,
+            "global_batch_size": cfg.global_batch(world_size), "max_length": cfg.max_length,
             "learning_rate": cfg.learning_rate, "batches": len(losses), "train_loss_first": losses[0],
             "train_loss_final": losses[-1], "losses": losses, "runtime_s": result["seconds"],
-            **throughput(len(losses), cfg.batch_size * world_size, cfg.max_length, result["seconds"]),
+            **throughput(len(losses), cfg.local_batch_size * world_size, cfg.max_length, result["seconds"]),
         } if life.is_main else None)
     return life.summary
 
 
-def parse_args(argv, prog: str) -> Config:
+def command_line_of(train, module: str):
+    """``(parse_args, main)`` of the step module ``module`` (its ``__name__``), which defines ``train``
+    (``command_line``)."""
     description = ("One step of the accelerate lesson: full fine-tuning of the preset's causal LM. Writes a results "
                    "folder and prints its summary. Several processes: `accelerate launch --config_file "
-                   f"configs/cpu_x2.yaml -m {prog.split()[-1]}`.")
-    return parse_config(Config, argv, prog=prog, description=description)
-
-
-def main_for(train, argv) -> dict:
-    """The ``main`` of a step module: parse the command line and run ``train`` with one-sentence errors."""
-    from my_utils.run.cli import run_main
-
-    module = module_name(train)
-    return run_main(lambda: train(parse_args(argv, prog=f"python -m {module}")), prefix=module.rsplit(".", 1)[-1])
+                   f"configs/cpu_x2.yaml -m {module_name(train)}`.")
+    return command_line(Config, train, module, description)

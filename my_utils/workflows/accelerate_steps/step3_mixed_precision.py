@@ -8,7 +8,7 @@ and the optimizer stay in fp32. One argument; prepare() wraps the model's forwar
 
 from __future__ import annotations
 
-from my_utils.workflows.accelerate_steps.common import Config, batches, build, main_for, run_step
+from my_utils.workflows.accelerate_steps.common import Config, batches, build, command_line_of, run_step
 
 
 def training_loop(cfg: Config, run_dir) -> dict:
@@ -30,7 +30,7 @@ def training_loop(cfg: Config, run_dir) -> dict:
         mixed_precision=cfg.mixed_precision,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
-    dataloader = DataLoader(dataset, batch_size=cfg.batch_size, drop_last=True)
+    dataloader = DataLoader(dataset, batch_size=cfg.local_batch_size, drop_last=True)
     # New Code # prepare
     # prepare() moves the model to this process's device (and wraps it in DDP when several processes run),
     # gives each process its own share of the batches (on its device) and wraps the optimizer.
@@ -59,11 +59,4 @@ def train(cfg: Config) -> dict:
     return run_step(training_loop, cfg)
 
 
-def main(argv=None) -> dict:
-    return main_for(train, argv)
-
-
-if __name__ == "__main__":
-    from my_utils.run.cli import run_as_script
-
-    run_as_script(main)
+parse_args, main = command_line_of(train, __name__)

@@ -1,5 +1,6 @@
 """What a sweep's rows say (lesson 07's analysis): the cost and gain of rank, the scaling rules, the learning-rate
-curves, where the adapters go; as sentences, tables and plots, and the report a sweep prints."""
+curves, where the adapters go; as sentences, tables and plots, and the report a sweep prints: ``main`` is
+``python -m my_utils sweep`` (run the sweep's cells, then the report)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import math
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.core.memory import MiB, format_bytes
+from my_utils.core.plots import new_figure, save
+from my_utils.core.tables import text_table
+from my_utils.tools.sweep.cli import parse_args
 from my_utils.tools.sweep.results import (SETTINGS, load_sweep, row_label, seed_means, seed_noise, sweep_table,
-                                         update_scale, varying)
+                                          update_scale, varying)
+from my_utils.tools.sweep.running import run_sweep
 
 
 def tradeoffs(rows: list[dict], noise=None, margin: float | None = None) -> list[str]:
@@ -18,8 +24,6 @@ def tradeoffs(rows: list[dict], noise=None, margin: float | None = None) -> list
     difference from the best its interval. A smaller rank is called as good as the best only within a stated
     ``margin`` of held-out loss (its interval inside +-margin: an equivalence); an interval that neither excludes 0
     nor fits a margin is said to be undecided, not "no difference"."""
-    from my_utils.core.memory import format_bytes
-
     rows = sorted(rows, key=lambda r: r["rank"])
     if len(rows) < 2:
         return ["Only one rank finished; a trade-off needs at least two."]
@@ -72,9 +76,6 @@ def tradeoffs(rows: list[dict], noise=None, margin: float | None = None) -> list
 def plot_costs(rows: list[dict], out: str | Path) -> list[Path]:
     """Two figures in ``out`` for cells that differ only in rank: every rank's loss curve, and each measured figure
     against the rank (parameters and adapter size on log-log axes, the rest from zero, so that ratios read true)."""
-    from my_utils.core.memory import MiB
-    from my_utils.core.plots import new_figure, save
-
     out = Path(out)
     rows = sorted(rows, key=lambda r: r["rank"])
     fig = new_figure(7, 4)
@@ -130,8 +131,6 @@ def scaling_lines(rows: list[dict], rules: dict) -> dict[str, list[dict]]:
 
 def scaling_table(lines: dict[str, list[dict]]) -> str:
     """Held-out loss (and the update's scale) at every rank, one column per scaling rule."""
-    from my_utils.core.tables import text_table
-
     ranks = sorted({r["rank"] for line in lines.values() for r in line})
     table = []
     for rank in ranks:
@@ -162,8 +161,6 @@ def scaling_findings(lines: dict[str, list[dict]]) -> list[str]:
 
 def plot_scaling(lines: dict[str, list[dict]], out: str | Path) -> Path:
     """Held-out loss against the rank, one line per scaling rule (the loss axis from zero)."""
-    from my_utils.core.plots import new_figure, save
-
     fig = new_figure(7, 4)
     ax = fig.add_subplot()
     for label, line in lines.items():
@@ -206,8 +203,6 @@ def best_rate(curve: list[dict]) -> tuple[float, dict, bool]:
 
 def learning_rate_table(curves: dict[str, list[dict]]) -> str:
     """Held-out loss at every rate tried (the lowest of each line starred) and the interpolated best rate."""
-    from my_utils.core.tables import text_table
-
     rates = sorted({r["learning_rate"] for curve in curves.values() for r in curve})
     table = []
     for label, curve in curves.items():
@@ -246,8 +241,6 @@ def learning_rate_findings(curves: dict[str, list[dict]], published_ratio: float
 def plot_learning_rates(curves: dict[str, list[dict]], out: str | Path) -> Path:
     """Held-out loss against the learning rate, one line per group (full fine-tuning dashed), each best rate marked
     by a dotted line; the loss axis from zero."""
-    from my_utils.core.plots import new_figure, save
-
     fig = new_figure(7, 4)
     ax = fig.add_subplot()
     for label, curve in curves.items():
@@ -315,3 +308,11 @@ def report(out: str | Path) -> str:
     text = "\n\n".join(parts)
     (Path(out) / "report.md").write_text(text + "\n", encoding="utf-8")
     return text
+
+
+def main(argv=None) -> None:
+    """``python -m my_utils sweep``: run the cells the command line asks for, then print the report."""
+    spec, out, jobs = parse_args(argv)
+    run_sweep(spec, out, jobs)
+    print("\n" + report(out))
+    print(f"\nsweep folder: {out}")

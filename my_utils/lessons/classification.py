@@ -1,7 +1,7 @@
-"""The full-vs-LoRA x one-device/DDP/pipeline table of the classification lesson, built from results folders only.
+"""Lesson 11's full-vs-LoRA x one-device/DDP/pipeline table and its plot, built from results folders only.
 
-    python -m my_utils.workflows.classification_table runs/notebooks/11_classification
-    python -m my_utils.workflows.classification_table runs/classification --markdown
+    python -m my_utils.lessons.classification runs/notebooks/11_classification
+    python -m my_utils.lessons.classification runs/classification --markdown
 
 Only complete runs of the classification workflow enter the table; each row says which folder it came from.
 """
@@ -11,7 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.core.memory import format_bytes
+from my_utils.core.memory import MiB, format_bytes
+from my_utils.core.plots import new_figure, save
+from my_utils.core.tables import markdown_table, text_table
+from my_utils.run.config import OneLineParser
 from my_utils.run.results import find_run_dirs, load_run
 
 PARALLEL_ORDER = ("none", "ddp", "pipeline")
@@ -48,8 +51,6 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[str]]]:
 
 def classification_table(*paths, markdown: bool = False) -> str:
     """The table, as text or markdown, of every complete classification run under ``paths``."""
-    from my_utils.core.tables import markdown_table, text_table
-
     runs = classification_runs(*paths)
     if not runs:
         raise UserError(f"No complete classification run under {', '.join(map(str, paths))}; run "
@@ -60,9 +61,6 @@ def classification_table(*paths, markdown: bool = False) -> str:
 def plot_classification(runs: list[dict], path) -> Path:
     """Eval accuracy against steps for every run, and chance (left), and what each process holds of the model: weights,
     gradients and optimizer states (right; the peak memory adds the runtime and the activations to it)."""
-    from my_utils.core.memory import MiB
-    from my_utils.core.plots import new_figure, save
-
     fig = new_figure(11, 4)
     curves, memory = fig.subplots(1, 2)
     names = [f"{r['method']} / {r['parallel']}" for r in runs]
@@ -95,9 +93,7 @@ def plot_classification(runs: list[dict], path) -> Path:
 def main(argv=None) -> None:
     import argparse
 
-    from my_utils.run.config import OneLineParser
-
-    p = OneLineParser(prog="python -m my_utils.workflows.classification_table", description=__doc__,
+    p = OneLineParser(prog="python -m my_utils.lessons.classification", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="results folders, or folders that contain them")
     p.add_argument("--markdown", action="store_true", help="a markdown table")
@@ -108,4 +104,4 @@ def main(argv=None) -> None:
 if __name__ == "__main__":
     from my_utils.run.cli import run_main
 
-    run_main(main, prefix="classification_table")
+    run_main(main, prefix="my_utils.lessons.classification")

@@ -1,26 +1,29 @@
 """PEFT methods side by side: each method at its best learning rate, what it costs and what it learns, read from
 the results folders of a sweep (``my_utils.tools.sweep``) whose cells name peft adapter configs.
 
-    from my_utils.tools.peft_methods import best_per_method, method_table, plot_pareto
+    from my_utils.lessons.peft_methods import best_per_method, method_table, plot_pareto
     best = best_per_method(run_sweep(spec, out, jobs=2))
     print(method_table(best))
 
 A method is a results folder's adapter config (``configs/peft/ia3.json`` -> ``ia3``), or ``full`` for full
-fine-tuning, with ``all-linear`` added where its targets say so. The learning rates a method runs at are data kept
-beside its adapter config (``configs/peft/ia3.training.json``, read by ``training_params``). Each method's rows
-differ in the learning rate; its best is the one with the lowest held-out loss. ``peft_results`` writes a run in the layout of peft's own
-``method_comparison`` results, so that a tiny run can sit beside the published ones.
+fine-tuning, with ``all-linear`` added where its targets say so (``my_utils.tools.peft_results.adapter_file_label``).
+The learning rates a method runs at are data kept beside its adapter config (``configs/peft/ia3.training.json``, read
+by ``training_params``). Each method's rows differ in the learning rate; its best is the one with the lowest
+held-out loss.
 """
 
 from __future__ import annotations
 
 import contextlib
-import platform
 from pathlib import Path
 
 from my_utils import UserError
-from my_utils.core.adapters import ALL_LINEAR, PROMPT_LEARNING
+from my_utils.core.adapters import PROMPT_LEARNING
+from my_utils.core.memory import format_bytes
+from my_utils.core.models import build_causal_lm
+from my_utils.core.tables import text_table
 from my_utils.run.results import read_json
+from my_utils.tools.peft_results import adapter_file_label
 
 TRAINING_PARAMS = ".training.json"  # beside <method>.json, as peft's method_comparison keeps training_params.json
 
@@ -41,21 +44,11 @@ def training_params(folder: str | Path, method: str) -> dict:
     return params
 
 
-def method_label(row: dict) -> str:
-    """``full``, or the adapter file's name (``lora``, ``ia3``...), ``+all-linear`` where the targets say so and
-    the name does not."""
-    if row["method"] == "full":
-        return "full"
-    name = Path(row["adapter_config"]).stem if row.get("adapter_config") else "lora"
-    named = ALL_LINEAR.replace("-", "_") in name  # a file of its own for all-linear (lora_all_linear.json)
-    return f"{name}+{ALL_LINEAR}" if row.get("targets") in ([ALL_LINEAR], (ALL_LINEAR,)) and not named else name
-
-
 def with_figures(row: dict) -> dict:
     """A sweep row with what this lesson also reads from the run's summary.json: forgetting, exact match before,
     seconds per step, each part of the tensor memory (rank 0's) and the peft method."""
     summary = read_json(Path(row["path"]) / "summary.json")
-    return {**row, "label": method_label(row), "peft_type": summary.get("peft_type") or "FULL",
+    return {**row, "label": adapter_file_label(row), "peft_type": row["peft_type"] or "FULL",
             "step_s": summary["runtime_s"] / summary["steps"],
             "eval_loss_before": summary["eval_loss_before"],
             "exact_match_before": summary["exact_match_before"],
@@ -71,7 +64,7 @@ def best_per_method(rows: list[dict]) -> list[dict]:
     between them; None at an end)."""
     groups: dict[str, list[dict]] = {}
     for row in rows:
-        groups.setdefault(method_label(row), []).append(row)
+        groups.setdefault(adapter_file_label(row), []).append(row)
     best = []
     for group in groups.values():
         group = sorted(group, key=lambda r: r["learning_rate"])
@@ -90,8 +83,6 @@ def merge_gap(row: dict, preset) -> float | None:
     no weights to merge into."""
     import torch
     from peft import PeftModel
-
-    from my_utils.core.models import build_causal_lm
 
     if row["peft_type"] in PROMPT_LEARNING or row["method"] == "full":
         return None
@@ -122,9 +113,6 @@ def method_table(best: list[dict]) -> str:
     """Each method at its best rate: trainable parameters, adapter file, rate, held-out loss and exact match,
     forgetting (the loss on pretraining-style rows, after minus before), seconds per step, trainable state
     (gradients and optimizer) and whether it merged."""
-    from my_utils.core.memory import format_bytes
-    from my_utils.core.tables import text_table
-
     rows = []
     for r in best:
         forgetting = (f"{r['forgetting_after'] - r['forgetting_before']:+.3f}"
@@ -183,50 +171,3 @@ def pareto_front(best: list[dict], key: str) -> list[str]:
     return front
 
 
-def peft_results(folder: str | Path) -> dict:
-    """The LoRA-workflow run in ``folder`` in the layout of peft's ``method_comparison`` results JSON (run_info,
-    train_info, meta_info), with the tiny task's figures where peft's have theirs: held-out exact match as the test
-    accuracy, the run's largest tensor memory (weights, gradients, optimizer states, saved activations: its own
-    also when it shared a worker process) where peft reports the accelerator's peak."""
-    from my_utils.run.results import load_run
-
-    folder = Path(folder)
-    loaded = load_run(folder)
-    run, summary = loaded["run"], loaded["summary"]
-    config = run["config"]
-    adapter_file = folder / "adapter" / "adapter_config.json"
-    parts = summary["memory"][0]["breakdown"]
-    label = method_label({**config, **(config.get("adapter") or {})})
-    losses = [(m["step"], m["loss"]) for m in loaded["metrics"] if "loss" in m and "step" in m]
-    return {
-        "run_info": {
-            "created_at": run.get("started"),
-            "total_time": summary["runtime_s"],
-            "experiment_name": f"{label}/{config['preset']}-lr_{summary['learning_rate']:g}",
-            "train_config": {"model_id": config["preset"], "dtype": "float32" if summary["mixed_precision"] == "no"
-                             else summary["mixed_precision"], "max_seq_length": summary["max_length"],
-                             "batch_size": summary["batch_size_per_process"], "max_steps": summary["steps"],
-                             "seed": config["seed"], "optimizer_type": "AdamW",
-                             "optimizer_kwargs": {"lr": summary["learning_rate"]},
-                             "lr_scheduler": config["lr_scheduler"]},
-            "peft_config": read_json(adapter_file) if adapter_file.is_file() else None,
-            "error_msg": "",
-        },
-        "train_info": {
-            "accelerator_memory_max": sum(parts[key] for key in ("weights", "gradients", "optimizer_states",
-                                                                 "saved_activations")),
-            "train_time": summary["runtime_s"],
-            "file_size": summary["adapter_bytes"],
-            "num_trainable_params": summary["trainable_params"],
-            "num_total_params": summary["total_params"],
-            "status": "success",
-            "metrics": [{"step": step, "train loss": loss} for step, loss in losses] + [
-                {"step": summary["steps"], "test accuracy": summary["exact_match_after"],
-                 "test loss": summary["eval_loss"], "forgetting loss": summary.get("forgetting_loss_after")}],
-        },
-        "meta_info": {
-            "package_info": {f"{name}-version": version for name, version in (run.get("versions") or {}).items()},
-            "system_info": {"system": platform.system(), "machine": platform.machine(),
-                            "accelerator": summary["memory"][0]["end"].get("device", "cpu")},
-        },
-    }

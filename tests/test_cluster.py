@@ -1,0 +1,280 @@
+"""``python -m my_utils cluster`` and the sbatch scripts of configs/slurm/, run unchanged on a local SLURM cluster of
+two emulated nodes (one core each): the cluster starts and stops exactly its own daemons, a 2-node job trains one
+process per node with the same losses as two processes on one machine, a job array runs one cell per task, a job
+preempted with SIGUSR1 is requeued and resumes by itself with the uninterrupted losses, and bad input is one sentence
+and exit 2."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from my_utils import NothingToDo, UserError
+from my_utils.core.paths import REPO_ROOT
+from my_utils.core.records import adapter_of
+from my_utils.run.launch import accelerate_command
+from my_utils.run.results import load_run
+from my_utils.tools import cluster
+
+PORT = 17100  # not the default, so that a user's own cluster on this machine is left alone
+SCRIPTS = REPO_ROOT / "configs" / "slurm"
+TRAIN = ["--preset", "tiny", "--max-steps", "3", "--logging-steps", "1", "--eval-rows", "8", "--skip-generation-eval",
+         "--mixed-precision", "no", "--local-batch-size", "8"]
+
+
+def own_daemons(folder) -> list[str]:
+    """The live processes whose command line holds ``folder`` (munged, slurmctld and slurmd read their files from
+    it; a zombie has no command line)."""
+    out = subprocess.run(["pgrep", "-af", str(folder)], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if "pgrep" not in line]
+
+
+@pytest.fixture(scope="module")
+def local_cluster(tmp_path_factory):
+    """A 2-node cluster for this module's tests, stopped afterwards whatever they did."""
+    try:
+        cluster.check_programs()
+    except UserError as e:
+        pytest.skip(f"SLURM cannot start here: {e}")
+    folder = tmp_path_factory.mktemp("cluster")
+    try:
+        cluster.up(folder, nodes=2, port=PORT)
+        yield folder
+    finally:
+        cluster.stop(folder)
+        assert own_daemons(folder) == []
+
+
+def job_env(folder, env) -> dict:
+    """``env`` for sbatch on the cluster in ``folder``: its SLURM_CONF, the CPU switch, this Python first on PATH."""
+    return {**env, **cluster.slurm_env(folder), "COURSE_CPU": "1",
+            "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
+
+
+def submit(folder, env, script, args, output, *sbatch_options):
+    """sbatch ``script`` with ``args`` on the cluster in ``folder`` and wait for the job to end; its id and output."""
+    env = job_env(folder, env)
+    proc = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={output}", *sbatch_options, str(script),
+                           *map(str, args)], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    text = "\n".join(p.read_text() for p in sorted(output.parent.glob(output.name.replace("%a", "*"))))
+    assert proc.returncode == 0, proc.stderr[-2000:] + text[-4000:]
+    return proc.stdout.strip().split(";")[0], text
+
+
+def losses(folder) -> list[float]:
+    return [m["loss"] for m in load_run(folder)["metrics"] if "loss" in m]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm_cluster")
+def test_up_is_idempotent_and_status_shows_the_idle_nodes(local_cluster):
+    with pytest.raises(NothingToDo, match="already up"):
+        cluster.up(local_cluster, nodes=2, port=PORT)
+    shown = cluster.status(local_cluster)
+    assert re.search(r"node n1 +idle", shown) and re.search(r"node n2 +idle", shown), shown
+    assert len(own_daemons(local_cluster)) == 4  # munged, slurmctld, 2 slurmd
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm_cluster")
+@pytest.mark.parametrize("script", ["multi_node_accelerate.sbatch", "multi_node_torchrun.sbatch",
+                                    "srun_tasks.sbatch"])
+def test_two_node_job_trains_like_two_processes_on_one_machine(local_cluster, tmp_path, subprocess_env, script):
+    """One process per node (a launcher per node, or a SLURM task per rank), each on its own node in a world of 2; the
+    per-step losses are those of a 2-process run on one machine at the same global batch (2 x 8)."""
+    nodes_run = tmp_path / "two_nodes"
+    job, out = submit(local_cluster, subprocess_env, SCRIPTS / script, [*TRAIN, "--output-dir", nodes_run],
+                      tmp_path / "job.out", "-N", "2")
+    # srun --label: each line starts with the task that printed it; task 0 runs on n1, task 1 on n2, and each node's
+    # worker says its rank in a world of 2 (c10d may give rank 0 to either node; accelerate gives it to n1)
+    ranks = {}
+    for task, node in ((0, "n1"), (1, "n2")):
+        assert re.search(rf"^{task}: node {node}: ", out, re.MULTILINE), out[-3000:]
+        seen = re.findall(rf"^{task}: \[rank (\d)/2\] batch of 8 x", out, re.MULTILINE)
+        assert len(seen) == 1, out[-3000:]
+        ranks[node] = int(seen[0])
+    assert sorted(ranks.values()) == [0, 1]
+    if "torchrun" not in script:
+        assert ranks == {"n1": 0, "n2": 1}
+    run = load_run(nodes_run)["run"]
+    assert run["status"] == "complete" and run["world_size"] == 2 and run["backend"] == "gloo"
+    assert run["slurm"]["job_id"] == job and run["slurm"]["node_list"] == "n[1-2]"
+    assert ranks[run["slurm"]["node"]] == 0  # run.json is written by rank 0, on its node
+    assert run["slurm"]["script"].startswith(str(SCRIPTS / script))
+    if script == "srun_tasks.sbatch":
+        assert run["launch"]["launcher"] == "srun, one task per rank"
+
+    one_machine = tmp_path / "one_machine"
+    cmd = accelerate_command("my_utils.workflows.lora", [*TRAIN, "--output-dir", one_machine], num_processes=2,
+                             config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
+    subprocess.run(cmd, env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True, timeout=600)
+    assert len(losses(nodes_run)) == 3
+    assert losses(nodes_run) == pytest.approx(losses(one_machine), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm_cluster")
+def test_job_array_runs_one_cell_per_task_each_in_its_own_folder(local_cluster, tmp_path, subprocess_env):
+    subprocess_env["COURSE_ARRAY_DIR"] = str(tmp_path / "sweep")
+    job, out = submit(local_cluster, subprocess_env, SCRIPTS / "array.sbatch",
+                      ["--preset", "tiny", "--max-steps", "2", "--eval-rows", "8", "--skip-generation-eval"],
+                      tmp_path / "task_%a.out")
+    cells = [load_run(tmp_path / "sweep" / f"cell_{task}")["run"] for task in (0, 1)]
+    assert [c["status"] for c in cells] == ["complete", "complete"], out[-3000:]
+    assert [adapter_of(c)["r"] for c in cells] == [4, 8]
+    assert [c["slurm"]["array_task_id"] for c in cells] == ["0", "1"]
+    assert {c["slurm"]["array_job_id"] for c in cells} == {job}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm_cluster")
+def test_down_cancels_the_jobs_and_stops_exactly_the_daemons_up_started(tmp_path, capsys):
+    from my_utils.__main__ import main
+
+    try:
+        cluster.check_programs()
+    except UserError as e:
+        pytest.skip(f"SLURM cannot start here: {e}")
+    try:
+        main(["cluster", "up", "--dir", str(tmp_path), "--nodes", "1", "--port", str(PORT + 10)])
+        assert len(own_daemons(tmp_path)) == 3  # munged, slurmctld, slurmd
+        job = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path / 'job.out'}", "--wrap", "sleep 3141"],
+                             env=cluster.slurm_env(tmp_path), capture_output=True, text=True, check=True)
+        deadline = time.monotonic() + 30
+        while not own_daemons("sleep 3141") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert own_daemons("sleep 3141"), f"job {job.stdout.strip()} did not start"
+        main(["cluster", "down", "--dir", str(tmp_path)])
+        assert capsys.readouterr().out.splitlines()[-1] == "stopped munged, slurmctld, slurmd_n1"
+        assert own_daemons(tmp_path) == [] and own_daemons("sleep 3141") == []
+    finally:
+        cluster.stop(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["cluster", "down", "--dir", str(tmp_path)])
+    assert exit_.value.code == 2
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("slurm_cluster")
+def test_a_preempted_job_requeues_and_resumes_by_itself_with_the_uninterrupted_losses(local_cluster, tmp_path,
+                                                                                       subprocess_env):
+    """preemptible.sbatch, sent SIGUSR1 as its time limit would (`scancel --signal=USR1 --batch`) after step 3: the
+    workflow checkpoints at the step and exits 75, the script requeues the job, and the job, run again, resumes by
+    itself; the per-step losses are those of an uninterrupted run, each step logged once."""
+    args = ["--preset", "tiny", "--max-steps", "8", "--logging-steps", "1", "--local-batch-size", "4",
+            "--eval-rows", "8", "--skip-generation-eval", "--mixed-precision", "no"]
+    run_dir, output = tmp_path / "preemptible", tmp_path / "job.out"
+    env = job_env(local_cluster, {**subprocess_env, "COURSE_STEP_DELAY_S": "1"})  # time to signal mid-training
+    job = subprocess.Popen(["sbatch", "--parsable", "--wait", f"--output={output}",
+                            str(SCRIPTS / "preemptible.sbatch"), *map(str, [*args, "--output-dir", run_dir])],
+                           env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3):
+        assert job.poll() is None and time.monotonic() < deadline, "the job never reached step 3"
+        time.sleep(0.2)
+    job_id = load_run(run_dir)["run"]["slurm"]["job_id"]
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
+    # SLURM holds a requeued job back for its credentials' lifetime (120 s); the test lets it start at once
+    while "Restarts=1 " not in (shown := subprocess.run(["scontrol", "show", "job", job_id], env=env,
+                                                         capture_output=True, text=True).stdout):
+        assert job.poll() is None and time.monotonic() < deadline, "the job was not requeued"
+        time.sleep(0.5)
+    if "JobState=PENDING" in shown:
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
+    job.communicate(timeout=300)
+    text = output.read_text()  # both runs of the job: the script appends
+    assert job.returncode == 0, text[-4000:]
+
+    stopped = re.findall(r"lora: preempted \(SIGUSR1; stopped after step (\d+) with checkpoints/checkpoint-\1: the "
+                         r"same command with --resume continues\)", text)
+    assert len(stopped) == 1, text[-4000:]
+    assert f"preempted: requeueing job {job_id}" in text and f"job {job_id}, restart 1: resuming" in text
+    run = load_run(run_dir)
+    assert run["run"]["status"] == "complete" and [r["from_step"] for r in run["run"]["resumes"]] == [int(stopped[0])]
+    assert [m["step"] for m in run["metrics"] if "loss" in m] == list(range(1, 9))  # each step once
+
+    uninterrupted = tmp_path / "uninterrupted"
+    subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", *map(str, args), "--output-dir", uninterrupted],
+                   env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True, timeout=600)
+    assert losses(run_dir) == losses(uninterrupted)  # exact
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def test_more_nodes_than_cores_is_refused_in_one_sentence(tmp_path):
+    from my_utils.core.devices import usable_cores
+
+    with pytest.raises(UserError, match=r"more than this machine's \d+ cores"):
+        cluster.up(tmp_path, nodes=usable_cores() + 1)
+    assert not (tmp_path / "pids.json").exists()
+
+
+def test_missing_programs_name_the_apt_packages(tmp_path, monkeypatch):
+    monkeypatch.setattr(cluster.shutil, "which", lambda *args, **kwargs: None)
+    with pytest.raises(UserError, match=r"apt-get install -y slurm-wlm munge"):
+        cluster.up(tmp_path, nodes=1)
+
+
+def test_a_user_who_may_not_start_slurmd_is_told_to_use_root(tmp_path, monkeypatch):
+    monkeypatch.setattr(cluster.shutil, "which", lambda name, path=None: f"/usr/sbin/{name}")
+    monkeypatch.setattr(cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(UserError, match="needs root"):
+        cluster.up(tmp_path, nodes=1)
+
+
+def test_a_port_in_use_is_refused_and_nothing_starts(tmp_path, monkeypatch):
+    monkeypatch.setattr(cluster, "check_programs", lambda: None)
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=f"Port {port} is in use"):
+            cluster.up(tmp_path, nodes=1, port=port)
+    assert not (tmp_path / "pids.json").exists() and own_daemons(tmp_path) == []
+
+
+def test_down_with_nothing_running_is_one_sentence_and_exit_2(tmp_path, capsys):
+    from my_utils.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["cluster", "down", "--dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("my_utils cluster: error: No cluster runs from") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("script", ["multi_node_accelerate.sbatch", "multi_node_torchrun.sbatch",
+                                    "srun_tasks.sbatch"])
+def test_a_node_list_that_does_not_resolve_stops_the_job_in_one_sentence(tmp_path, script):
+    """The batch shell alone, with an scontrol that names a node no one can resolve: exit 2 before any launch."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text("#!/bin/sh\n[ \"$2\" = hostnames ] && echo gone.invalid || "
+                                   "echo '   NodeAddr=gone.invalid NodeHostName=gone'\n")
+    (fake / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "COURSE_CPU": "1", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "gone.invalid"}
+    proc = subprocess.run(["bash", str(SCRIPTS / script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr == "The first node gone.invalid of gone.invalid has no address this node can resolve.\n"
+
+
+def test_status_of_a_folder_without_a_cluster_says_so(tmp_path):
+    assert cluster.status(tmp_path) == f"No cluster in {tmp_path.resolve()}."
+
+
+def test_scripts_open_with_how_to_submit_them_and_use_srun_where_nodes_are_several():
+    for script in sorted(SCRIPTS.glob("*.sbatch")):
+        text = script.read_text()
+        assert text.startswith("#!/bin/bash\n# ") and "sbatch " in text.split("#SBATCH")[0], script.name
+        assert "COURSE_CPU=1 sbatch" in text, script.name
+        if "multi_node" in script.name or "srun_tasks" in script.name:
+            # $SLURM_NODEID / $SLURM_PROCID expanded inside srun's tasks (single quotes), not in the batch shell
+            launch = text[text.index("\nsrun ") + 1:]
+            assert launch.startswith("srun --label bash -c '"), script.name
+            assert re.search(r"\$SLURM_(NODEID|PROCID)", launch), script.name
