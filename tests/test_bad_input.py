@@ -544,3 +544,30 @@ def test_a_model_neither_cached_nor_downloadable_is_one_sentence_at_once(monkeyp
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: "/cache/gpt2/config.json")
     check_available("gpt2")  # cached: nothing to download
     check_available(str(REPO_ROOT / "assets" / "tiny" / "causal_lm"))  # a local folder
+
+
+@pytest.mark.parametrize("command, args", [
+    ("compare", ["{run}", "--output-dir", "{tmp}/compared_again"]),
+    ("sweep", ["--output-dir", "{tmp}/sweep"]),
+    ("bench", ["--output-root", "{tmp}/bench"]),
+])
+def test_a_read_only_folder_is_one_sentence_and_exit_2(tmp_path, capsys, monkeypatch, command, args):
+    """Every folder made refused as a read-only file system refuses it (root writes through chmod, so the refusal is
+    played), before anything is written."""
+    import errno
+
+    import my_utils.__main__
+
+    Run.create(tmp_path / "run", config={"preset": "tiny"}, world_size=1).finish({"steps": 1})
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(SystemExit) as e:
+        my_utils.__main__.main([command, *(a.replace("{run}", str(tmp_path / "run")).replace("{tmp}", str(tmp_path))
+                                           for a in args)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    assert re.search(r"The file system refused writing .* \(Read-only file system\); choose a results folder where you can write", lines[0])
+    assert_one_sentence(lines[0])

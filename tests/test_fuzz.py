@@ -95,7 +95,7 @@ def test_the_planners_options(world, capsys, data):
     from my_utils.tools import planner
 
     argv = ["--preset", data.draw(st.sampled_from([*PRESETS, "tinyy", ""]))]
-    for flag in data.draw(st.lists(st.sampled_from(["--rank", "--batch-size", "--max-length", "--processes", "--zero",
+    for flag in data.draw(st.lists(st.sampled_from(["--rank", "--local-batch-size", "--max-length", "--processes", "--zero",
                                                     "--memory", "--alpha", "--dropout"]), max_size=3, unique=True)):
         argv += [flag, data.draw(NUMBERS)]
     argv += ["--method", data.draw(st.sampled_from(["full", "lora", "qlora", "qlora-8bit", "dora", ""]))]

@@ -237,18 +237,18 @@ def test_lora_settings_with_full_fine_tuning_are_refused_not_ignored():
 
 
 def test_command_line_says_whether_it_fits(capsys):
-    planner.main(["--preset", "tiny", "--method", "full", "--batch-size", "4", "--max-length", "32", "--memory", "100MiB"])
+    planner.main(["--preset", "tiny", "--method", "full", "--local-batch-size", "4", "--max-length", "32", "--memory", "100MiB"])
     out = capsys.readouterr().out
     assert "does NOT fit 100MiB" in out  # the CUDA context alone is 600 MiB
-    p = planner.main(["--preset", "tiny", "--method", "qlora", "--batch-size", "4", "--max-length", "32", "--device", "t4"])
+    p = planner.main(["--preset", "tiny", "--method", "qlora", "--local-batch-size", "4", "--max-length", "32", "--device", "t4"])
     out = capsys.readouterr().out
     assert "fits T4" in out and "NOT" not in out and p.overhead == planner.CUDA_CONTEXT
-    planner.main(["--preset", "tiny", "--batch-size", "4", "--max-length", "32", "--json"])
+    planner.main(["--preset", "tiny", "--local-batch-size", "4", "--max-length", "32", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert data["peak"] == pytest.approx(data["weights"] + data["gradients"] + data["ddp_buckets"] + data["optimizer"]
                                          + data["saved_activations"] + data["backward_extra"] + data["overhead"])
     assert data["activations"] == pytest.approx(data["saved_activations"] + data["backward_extra"])
-    planner.main(["--preset", "tiny", "--batch-size", "4", "--max-length", "32", "--processes", "2"])
+    planner.main(["--preset", "tiny", "--local-batch-size", "4", "--max-length", "32", "--processes", "2"])
     out = capsys.readouterr().out
     assert all(part in out for part in ("saved activations", "backward transient", "DDP gradient buckets"))
 

@@ -178,7 +178,7 @@ def check_enough_rows(n_rows: int, global_batch: int) -> None:
     if n_rows < global_batch:
         raise UserError(
             f"The dataset has {n_rows} rows, fewer than one global batch of {global_batch}; "
-            "lower --batch-size or the number of processes, or add data."
+            "lower --local-batch-size or the number of processes, or add data."
         )
 
 

@@ -32,10 +32,10 @@ def file_system_refusal(e: OSError) -> str | None:
         return None
     where = f" writing {e.filename}" if e.filename else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return (f"The disk is full{where} ({e.strerror}); free space there, or choose an --output-dir on another "
+        return (f"The disk is full{where} ({e.strerror}); free space there, or choose a results folder on another "
                 "disk, and run again.")
-    return (f"The file system refused{where} ({e.strerror}); choose an --output-dir in a folder you can write to "
-            "(run from one if the command writes where it runs).")
+    return (f"The file system refused{where} ({e.strerror}); choose a results folder where you can write (or run "
+            "from one, for a command that writes where it runs).")
 
 
 def run_main(body, prefix: str = "my_utils"):

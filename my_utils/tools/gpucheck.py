@@ -113,13 +113,13 @@ def plan_jobs(cuda: bool, quick: bool, bf16: bool) -> list[Job]:
             for loss in losses:
                 jobs.append(Job("planner", f"{preset}_{method}_{loss}",
                                 [*bench, "run-step", "--preset", preset, "--method", method,
-                                 *(["--batch-size", "2", "--max-length", "64"] if quick else []),
+                                 *(["--local-batch-size", "2", "--max-length", "64"] if quick else []),
                                  *(["--plain-loss"] if loss == "plain" else []), "--output-dir", "{out}"],
                                 env=precision))
     for preset in ("tiny",) if quick else ("gpt2", "smollm2-135m"):
         for batch in (4,) if quick else (16, 64):  # a batch that leaves a large GPU mostly idle, and one that less so
             jobs.append(Job("mfu", f"{preset}_b{batch}", [*bench, "run-mfu", "--preset", preset, "--random-init",
-                                                          "--batch-size", str(batch), "--steps", "4" if quick else "10",
+                                                          "--local-batch-size", str(batch), "--steps", "4" if quick else "10",
                                                           "--output-dir", "{out}"], env=precision, alone=True))
     return jobs
 

@@ -57,7 +57,7 @@ from my_utils.core.models import (QUANTIZE_CHOICES, add_adapter, build_causal_lm
 from my_utils.core.paths import RUNS_ROOT
 from my_utils.core.printing import print0
 from my_utils.run.callbacks import TokenCounter, make_callbacks
-from my_utils.run.cli import command_line
+from my_utils.run.cli import command_line, file_system_refusal
 from my_utils.run.config import LocalBatchSettings, check_choice, check_positive, setting
 from my_utils.run.faults import course_trainer_class, name_stopped_ranks, reliability_callbacks
 from my_utils.run.launch import OUTPUT_LOGGED, check_process_count, is_cpu_only

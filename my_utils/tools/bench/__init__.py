@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-file", default=None, help="JSON-lines instruction data instead of the preset's")
     p.add_argument("--memory-preset", default=defaults.memory_preset, help="architecture of the memory benchmark")
     p.add_argument("--qlora-preset", default=defaults.qlora_preset, help="architecture of the 4-bit measurement")
-    p.add_argument("--batch-size", type=int, default=None, help="per process (default: the preset's)")
+    p.add_argument("--local-batch-size", dest="batch_size", type=int, default=None, help="per process (default: the preset's)")
     p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps per training run")
     p.add_argument("--repeats", type=int, default=None,
                    help=f"runs of each configuration (default {', '.join(f'{k} {v}' for k, v in REPEATS.items())})")

@@ -48,7 +48,7 @@ def run(s: Settings, folder: Path):
 
     def bare(processes, out):  # the workflow's default batching (random) and the precision it is given
         return accelerate_command("my_utils", ["bench", "run-loop", *s.preset_args(), "--method", "lora",
-                                               "--batch-size", global_batch // processes, "--steps", s.steps,
+                                               "--local-batch-size", global_batch // processes, "--steps", s.steps,
                                                "--logging-steps", logging_steps(s.steps),
                                                "--mixed-precision", "bf16" if s.bf16 else "no", "--output-dir", out],
                                   num_processes=processes)

@@ -98,7 +98,7 @@ class Settings:
         return self.repeats or (1 if self.quick else benchmarks()[name].REPEATS)
 
     def batch(self) -> int:
-        """Examples per process: --batch-size, else the preset's."""
+        """Examples per process: --local-batch-size, else the preset's."""
         return self.batch_size or get_preset(self.preset).batch_size
 
     def preset_args(self) -> list[str]:

@@ -29,7 +29,7 @@ class LoopConfig:
     preset: str = "tiny"
     method: str = "lora"  # lora | full
     rank: int = 8
-    batch_size: int | None = None
+    local_batch_size: int | None = None
     max_length: int | None = None
     steps: int = 40
     warmup_steps: int = 2  # steps before the steady-state window (the whole loop is timed too)
@@ -57,7 +57,7 @@ def bare_loop(cfg: LoopConfig) -> dict:
     set_threads()
     set_seed(cfg.seed)
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision)  # device (and precision) from the launcher
-    batch_size = cfg.batch_size or preset.batch_size
+    batch_size = cfg.local_batch_size or preset.batch_size
     max_length = cfg.max_length or preset.max_length
     model = build_causal_lm(preset, random_init=cfg.random_init)
     loader, counter = _loader(cfg, preset, model.config.vocab_size, batch_size, max_length)
@@ -223,7 +223,7 @@ def _add_fields(parser, cls, choices: dict) -> None:
             parser.add_argument(flag, action="store_true")
         else:
             kind = type(default) if default is not None else (float if f.name == "learning_rate" else
-                                                             int if f.name in ("batch_size", "max_length") else str)
+                                                             int if f.name in ("local_batch_size", "max_length") else str)
             parser.add_argument(flag, type=kind, default=default, choices=choices.get(f.name))
 
 

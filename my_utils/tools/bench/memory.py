@@ -104,7 +104,7 @@ def _measured_steps(s: Settings, folder: Path, env: dict) -> dict:
     steps = {}
     for name, (method, flags) in tqdm(configs.items(), desc=NAME, unit="run", file=sys.stdout):
         out = folder / name
-        run_logged(python_command("run-step", "--preset", s.memory_preset, "--method", method, "--batch-size",
+        run_logged(python_command("run-step", "--preset", s.memory_preset, "--method", method, "--local-batch-size",
                                   s.memory_batch_size, "--max-length", s.memory_max_length, *flags,
                                   "--output-dir", out), folder / f"{name}.log", env)
         steps[name] = read_json(out / "summary.json")
@@ -116,7 +116,7 @@ def step_main(argv) -> None:
     p = OneLineParser(prog="python -m my_utils bench run-step", description=measured_step.__doc__)
     p.add_argument("--preset", default="gpt2", help="architecture, built with random weights from its config")
     p.add_argument("--method", choices=("lora", "full"), default="lora")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--local-batch-size", dest="batch_size", type=int, default=4)
     p.add_argument("--max-length", type=int, default=256)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--plain-loss", action="store_true", help="the whole logits at once, not the chunked loss")

@@ -30,7 +30,7 @@ def run(s: Settings, folder: Path):
     out = folder / "mfu"
     steps = max(s.steps // 2, 4)
     run_logged(python_command("run-mfu", "--preset", s.preset, *(["--random-init"] if s.random_init else []),
-                              "--batch-size", s.batch(), "--steps", steps,
+                              "--local-batch-size", s.batch(), "--steps", steps,
                               "--output-dir", out), folder / "mfu.log", bench_env(s))
     result = read_json(out / "summary.json")
     peak = result["matmul_peak"]
@@ -48,7 +48,7 @@ def mfu_main(argv) -> None:
     """``run-mfu``: the matmul peak, LoRA and full fine-tuning loops on random-token blocks, the peak again."""
     p = OneLineParser(prog="python -m my_utils bench run-mfu", description=mfu_main.__doc__)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--local-batch-size", dest="batch_size", type=int, default=None)
     p.add_argument("--steps", type=int, default=20, help=f"timed steps of each loop (after {WARMUP_STEPS} warm-up steps)")
     p.add_argument("--random-init", action="store_true")
     p.add_argument("--output-dir", required=True)
@@ -67,7 +67,7 @@ def measure_mfu(args) -> dict:
     peaks = [matmul_peak(device, dtype)]
     result = {}
     for method in ("lora", "full"):
-        result[method] = bare_loop(LoopConfig(preset=args.preset, method=method, batch_size=args.batch_size,
+        result[method] = bare_loop(LoopConfig(preset=args.preset, method=method, local_batch_size=args.batch_size,
                                               random_tokens=True, steps=args.steps + WARMUP_STEPS,
                                               warmup_steps=WARMUP_STEPS, logging_steps=args.steps + WARMUP_STEPS,
                                               random_init=args.random_init))

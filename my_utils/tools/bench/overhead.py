@@ -34,7 +34,7 @@ def run(s: Settings, folder: Path):
 
     def bare(out):
         strategy = sampling.setdefault("strategy", course_figures(folder / "course_1")["settings"]["sampling"])
-        return python_command("run-loop", *s.preset_args(), "--method", "lora", "--batch-size", batch,
+        return python_command("run-loop", *s.preset_args(), "--method", "lora", "--local-batch-size", batch,
                               "--steps", s.steps, "--sampling", strategy, "--logging-steps", logging_steps(s.steps),
                               "--output-dir", out)
 

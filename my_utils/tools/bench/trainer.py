@@ -40,7 +40,7 @@ def run(s: Settings, folder: Path):
     variants = {
         "course": lambda out: python_command("run-course", *course_args(s, out, batch)),
         "grouped": lambda out: python_command("run-course", *course_args(s, out, batch), "--group-by-length"),
-        "sft": lambda out: python_command("run-sft", *s.preset_args(), "--batch-size", batch, "--steps", s.steps,
+        "sft": lambda out: python_command("run-sft", *s.preset_args(), "--local-batch-size", batch, "--steps", s.steps,
                                           "--logging-steps", logging_steps(s.steps), "--eval-rows", 64,
                                           "--output-dir", out),
     }
@@ -88,7 +88,7 @@ def sft_main(argv) -> None:
     learning-rate schedule, with LoRA from the same function; training time and tokens measured as the workflow's."""
     p = OneLineParser(prog="python -m my_utils bench run-sft", description=sft_main.__doc__)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--local-batch-size", dest="batch_size", type=int, default=None)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--logging-steps", type=int, default=5)
     p.add_argument("--eval-rows", type=int, default=64)

@@ -1,9 +1,9 @@
 """Memory planner: predict the peak memory of one training process before running it, and say whether it fits.
 
-    python -m my_utils plan --preset opt-350m --method qlora --rank 8 --batch-size 16 --max-length 128 --device T4
+    python -m my_utils plan --preset opt-350m --method qlora --rank 8 --local-batch-size 16 --max-length 128 --device T4
     python -m my_utils plan --preset gpt2 --method full --dtype bf16 --processes 4 --memory 24GiB
     python -m my_utils plan --preset opt-350m --method full --processes 8 --zero 3 --device A100-40GB
-    python -m my_utils plan --preset tiny --method lora --batch-size 16 --max-length 64 --device cpu   # a CPU process
+    python -m my_utils plan --preset tiny --method lora --local-batch-size 16 --max-length 64 --device cpu   # a CPU process
     python -m my_utils plan --preset opt-350m --method full --dtype bf16 --tp 2 --pp 2 --microbatches 8 --processes 2
 
 The architecture comes from the preset's shipped ``config.json``, built on PyTorch's ``meta`` device (shapes,

@@ -45,7 +45,7 @@ def main(argv=None) -> Plan:
     ap.add_argument("--method", default="lora", help="full, lora or qlora (4-bit; qlora-8bit for 8-bit)")
     ap.add_argument("--quantize", choices=("4bit", "8bit"), help="QLoRA's weight format (default 4bit)")
     add_arguments(ap.add_argument_group("the adapter (LoRA, QLoRA)"), AdapterSpec)
-    ap.add_argument("--batch-size", type=int, help="batch per process (default: the preset's)")
+    ap.add_argument("--local-batch-size", dest="batch_size", type=int, help="batch per process (default: the preset's)")
     ap.add_argument("--max-length", type=int, help="tokens per example after padding (default: the preset's)")
     ap.add_argument("--processes", type=int, default=1, help="data-parallel processes (replicas), one per device "
                     "unless --tp or --pp split each replica over more")

@@ -55,7 +55,7 @@ def plan(preset: str, method: str = "lora", *, adapter=None, batch_size: int | N
     batch = p.batch_size if batch_size is None else batch_size
     seq = p.max_length if max_length is None else max_length
     microbatches = pp if microbatches is None else microbatches
-    for name, value in (("--batch-size", batch), ("--max-length", seq), ("--processes", processes), ("--tp", tp),
+    for name, value in (("--local-batch-size", batch), ("--max-length", seq), ("--processes", processes), ("--tp", tp),
                         ("--pp", pp), ("--microbatches", microbatches)):
         check_positive(name, value)
     check_zero(zero, processes, quantize)
