@@ -21,6 +21,17 @@ from my_utils.run.results import load_run
 from my_utils.tools import cluster
 
 PORT = 17100  # not the default, so that a user's own cluster on this machine is left alone
+STARTED = {}  # the controller's port of the cluster local_cluster started
+
+
+def ports_free(base: int, count: int) -> bool:
+    """Ports base .. base + count - 1 are free (a cluster stopped less than a minute ago still holds its own)."""
+    try:
+        for port in range(base, base + count):
+            cluster.check_port_free(port)
+    except UserError:
+        return False
+    return True
 SCRIPTS = REPO_ROOT / "configs" / "slurm"
 TRAIN = ["--preset", "tiny", "--max-steps", "3", "--logging-steps", "1", "--eval-rows", "8", "--skip-generation-eval",
          "--mixed-precision", "no", "--local-batch-size", "8"]
@@ -33,16 +44,21 @@ def own_daemons(folder) -> list[str]:
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def local_cluster(tmp_path_factory):
-    """A 2-node cluster for this module's tests, stopped afterwards whatever they did."""
+    """A 2-node cluster for the tests of this worker, started once (a fixture set up again right after its teardown
+    would find the controller's port still held) and stopped afterwards whatever they did."""
     try:
         cluster.check_programs()
     except UserError as e:
         pytest.skip(f"SLURM cannot start here: {e}")
     folder = tmp_path_factory.mktemp("cluster")
+    # each pytest-xdist worker its own range, so that two workers starting a cluster at once never pick the same
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+    first = PORT + 200 * worker
+    STARTED["port"] = next((base for base in range(first, first + 200, 20) if ports_free(base, 3)), first)
     try:
-        cluster.up(folder, nodes=2, port=PORT)
+        cluster.up(folder, nodes=2, port=STARTED["port"])
         yield folder
     finally:
         cluster.stop(folder)
@@ -73,7 +89,7 @@ def losses(folder) -> list[float]:
 @pytest.mark.xdist_group("slurm_cluster")
 def test_up_is_idempotent_and_status_shows_the_idle_nodes(local_cluster):
     with pytest.raises(NothingToDo, match="already up"):
-        cluster.up(local_cluster, nodes=2, port=PORT)
+        cluster.up(local_cluster, nodes=2, port=STARTED["port"])
     shown = cluster.status(local_cluster)
     assert re.search(r"node n1 +idle", shown) and re.search(r"node n2 +idle", shown), shown
     assert len(own_daemons(local_cluster)) == 4  # munged, slurmctld, 2 slurmd

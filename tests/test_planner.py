@@ -402,8 +402,9 @@ def test_plan_matches_a_measured_tiny_run_part_by_part(name, baselines, tmp_path
     that run. Its peak RSS is within 25% of the plan plus the process baseline (Python, torch and the
     libraries, measured in a fresh process that imported them): RSS also holds temporaries and allocator slack."""
     from my_utils.core.memory import format_bytes, peak_bytes
-    from my_utils.run.launch import accelerate_command
     from my_utils.core.tables import text_table
+    from my_utils.run.launch import accelerate_command
+    from my_utils.run.results import load_run
 
     extra, processes = MEASURED_RUNS[name]
     out = tmp_path / "run"
@@ -413,14 +414,15 @@ def test_plan_matches_a_measured_tiny_run_part_by_part(name, baselines, tmp_path
            else [sys.executable, "-m", "my_utils.workflows.lora", *args])
     proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
+    run = load_run(out)
+    summary = run["summary"]
     assert len(summary["memory"]) == processes
-    for rank in range(processes):
-        rows = planner.compare_with_run(summary, rank)
-        p = planner.with_runtime(planner.plan_for_run(summary, rank), "cpu",
+    for process in range(processes):
+        rows = planner.compare_with_run(run, process)
+        p = planner.with_runtime(planner.plan_for_run(run, process), "cpu",
                                  baselines["none" if summary["quantization"] is None else "4bit"])
-        measured_peak = peak_bytes(summary["memory"][rank]["end"])
-        print(f"\n{name}, rank {rank}, {summary['mixed_precision']}, batch {p.batch} x {p.seq}\n" + text_table(
+        measured_peak = peak_bytes(summary["memory"][process]["end"])
+        print(f"\n{name}, process {process}, {summary['mixed_precision']}, batch {p.batch} x {p.seq}\n" + text_table(
             ["part", "measured", "predicted", "ratio"],
             [[r.component, format_bytes(r.measured), format_bytes(r.predicted), f"{r.ratio:.3f}"] for r in rows]
             + [["peak RSS (baseline included)", format_bytes(measured_peak), format_bytes(p.peak),

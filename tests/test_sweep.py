@@ -14,6 +14,7 @@ from my_utils.lessons import rank_sweep
 from my_utils.tools import sweep
 from my_utils.core.adapters import AdapterSpec
 from my_utils.core.devices import usable_cores
+from my_utils.run.redaction import secret_hash
 from my_utils.core.stats import Noise
 from my_utils.run.results import Run
 
@@ -352,7 +353,7 @@ def test_one_sweep_per_folder_and_secrets_stay_out_of_its_record(tmp_path, monke
 
     secret = "hf_" + "s3cr3t" * 4
     monkeypatch.setenv("HF_TOKEN", secret)
-    data = tmp_path / f"data_{secret}.jsonl"  # a token in a path: recorded redacted
+    data = tmp_path / f"data_{secret}.jsonl"  # a token in a path: recorded as its hash
     data.write_text(TINY_ROWS)
     spec = sweep.SweepSpec(grids=[{"rank": [2]}], args={"data_file": str(data)})
     out = tmp_path / "sweep"
@@ -363,7 +364,8 @@ def test_one_sweep_per_folder_and_secrets_stay_out_of_its_record(tmp_path, monke
             sweep.run_sweep(spec, out)
     monkeypatch.setattr(sweep.running, "_start", lambda cmd, env, log: (make_cell(out, spec.cells()[0]), Finished(0))[1])
     sweep.run_sweep(spec, out)  # the other sweep is gone: its lock went with it
-    assert secret not in (out / "sweep.json").read_text() and "<redacted>" in (out / "sweep.json").read_text()
+    recorded = (out / "sweep.json").read_text()
+    assert secret not in recorded and secret_hash(secret) in recorded
 
 
 @pytest.mark.slow

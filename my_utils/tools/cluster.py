@@ -153,9 +153,9 @@ def check_programs() -> None:
 
 
 def check_port_free(port: int) -> None:
-    """``port`` is free on this machine (UserError if not)."""
+    """``port`` is free on this machine (UserError if not). Bound as slurmctld binds it, without SO_REUSEADDR, so a
+    port still held by a stopped cluster's connections (TIME_WAIT, about a minute) counts as in use."""
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
         except OSError:
