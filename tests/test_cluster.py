@@ -4,6 +4,7 @@ process per node with the same losses as two processes on one machine, a job arr
 preempted with SIGUSR1 is requeued and resumes by itself with the uninterrupted losses, and bad input is one sentence
 and exit 2."""
 
+import fcntl
 import os
 import re
 import socket
@@ -45,7 +46,7 @@ def own_daemons(folder) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def local_cluster(tmp_path_factory):
+def session_cluster(tmp_path_factory):
     """A 2-node cluster for the tests of this worker, started once (a fixture set up again right after its teardown
     would find the controller's port still held) and stopped afterwards whatever they did."""
     try:
@@ -63,6 +64,15 @@ def local_cluster(tmp_path_factory):
     finally:
         cluster.stop(folder)
         assert own_daemons(folder) == []
+
+
+@pytest.fixture
+def local_cluster(session_cluster, tmp_path_factory):
+    """The worker's cluster, used by one test at a time across the pytest-xdist workers: the scripts take their
+    rendezvous port from the job id, and two clusters number their jobs alike, so two jobs at once would meet."""
+    with open(tmp_path_factory.getbasetemp().parent / "slurm_cluster.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield session_cluster
 
 
 def job_env(folder, env) -> dict:
