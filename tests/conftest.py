@@ -35,6 +35,34 @@ def starts_course_process(args) -> bool:
     return sys.executable in text or bool(COURSE_PROGRAMS.search(text))
 
 
+class Finished:
+    """What the sweep's ``_start`` returns, in a test, for a cell that its fake workflow has already finished."""
+
+    def __init__(self, returncode):
+        self.returncode = returncode
+
+    def poll(self):
+        return self.returncode
+
+
+def lora_command(args, processes: int) -> list[str]:
+    """The LoRA workflow's command line: ``python -m`` for one process, ``accelerate launch`` (configs/cpu_x2.yaml)
+    for more."""
+    from my_utils.run.launch import accelerate_command
+
+    if processes == 1:
+        return [sys.executable, "-m", "my_utils.workflows.lora", *map(str, args)]
+    return accelerate_command("my_utils.workflows.lora", args, num_processes=processes,
+                              config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
+
+
+def logged_losses(run_dir) -> list[tuple[int, float]]:
+    """``(step, loss)`` of every step a results folder logged a loss for."""
+    from my_utils.run.results import load_run
+
+    return [(m["step"], m["loss"]) for m in load_run(run_dir)["metrics"] if "loss" in m]
+
+
 @pytest.fixture(autouse=True)
 def _slow_if_it_starts_a_process(request, monkeypatch):
     """A test not marked slow fails if it starts a Python process (see ``COURSE_PROGRAMS``)."""

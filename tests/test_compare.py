@@ -19,11 +19,11 @@ FAKE_PIDS = itertools.count(10_000)
 
 def fake_run(path, *, processes=1, samples_per_s=10.0, method="lora", rank=8, versions=None, commit=None,
              losses=(2.0, 1.5, 1.2), finish=True, global_batch=8):
-    """A results folder shaped like the LoRA workflow's, with ``processes`` ranks of memory figures, each process
+    """A results folder shaped like the LoRA workflow's, with the memory figures of ``processes`` processes, each
     taking its share of ``global_batch``."""
     adapter = {"adapter_config": None, "peft": {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
                                                 "target_modules": ["c_attn"]}} if rank else None
-    config = {"preset": "tiny", "method": method, "adapter": adapter, "batch_size": global_batch // processes,
+    config = {"preset": "tiny", "method": method, "adapter": adapter, "local_batch_size": global_batch // processes,
               "num_processes": processes, "output_dir": str(path)}
     # each run's own process, as a workflow's (runs that share one are marked: a test of its own)
     fields = {"world_size": processes, "backend": "gloo" if processes > 1 else None, "devices": CPU,
@@ -40,7 +40,7 @@ def fake_run(path, *, processes=1, samples_per_s=10.0, method="lora", rank=8, ve
                "end": {"device": "cpu", "peak_allocated": None, "peak_rss": (400 + r) << 20}} for r in range(processes)]
     run.finish({
         "workflow": "lora", "preset": "tiny", "method": method, "world_size": processes,
-        "batch_size_per_process": global_batch // processes, "grad_accum": 1, "effective_batch": global_batch,
+        "local_batch_size": global_batch // processes, "grad_accum": 1, "global_batch_size": global_batch,
         "learning_rate": 1e-3,
         "lr_scaling": "none", "steps": len(losses), "train_loss_first": losses[0], "train_loss_final": losses[-1],
         "eval_loss": 1.3, "exact_match_before": 0.1, "exact_match_after": 0.5, "runtime_s": 3.0,

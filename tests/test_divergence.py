@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import Finished
 
 from my_utils import JobFailed
 from my_utils.core.paths import REPO_ROOT
@@ -85,16 +86,6 @@ def test_a_run_that_diverged_is_told_from_one_that_failed_otherwise(tmp_path):
     assert not diverged(tmp_path / "missing")
 
 
-class Ended:
-    """What the sweep's ``_start`` returns for a cell that the fake workflow has already ended."""
-
-    def __init__(self, returncode):
-        self.returncode = returncode
-
-    def poll(self):
-        return self.returncode
-
-
 def test_a_sweep_records_a_diverged_cell_as_failed_and_goes_on(tmp_path, monkeypatch, capsys):
     """A diverged cell exits 2 as a refusal does, but the other cells (lower rates) still run: the sweep does not stop
     there, says the cell's sentence on its line, and ends naming it, with no row for it in the report."""
@@ -109,9 +100,9 @@ def test_a_sweep_records_a_diverged_cell_as_failed_and_goes_on(tmp_path, monkeyp
         run = Run.create(folder, config={})
         if "1e+30" in folder.name:
             run.fail(f"Diverged: {sentence}")
-            return Ended(2)
+            return Finished(2)
         run.fail("RuntimeError: boom")
-        return Ended(1)
+        return Finished(1)
 
     monkeypatch.setattr(sweep.running, "_start", fake_start)
     with pytest.raises(JobFailed, match=r"2 of 2 cell\(s\) failed \(lr1e\+30, lr0\.001\)"):

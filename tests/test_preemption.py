@@ -6,16 +6,15 @@ SLURM job that is requeued: tests/test_cluster.py."""
 import json
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
+from conftest import logged_losses, lora_command
 from safetensors.torch import load_file
 
 from my_utils.core.paths import REPO_ROOT
 from my_utils.run.cli import run_main
-from my_utils.run.launch import accelerate_command
 from my_utils.run.results import load_run
 from my_utils.run.signals import PREEMPTED_EXIT, Preempted, Sigterm, on_sigterm
 
@@ -26,25 +25,14 @@ TRAIN = ["--preset", "tiny", "--max-steps", str(STEPS), "--logging-steps", "1", 
 SIGNAL_AFTER_STEP = 3
 
 
-def command(args, processes: int) -> list[str]:
-    if processes == 1:
-        return [sys.executable, "-m", "my_utils.workflows.lora", *map(str, args)]
-    return accelerate_command("my_utils.workflows.lora", args, num_processes=processes,
-                              config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
-
-
 def logged_steps(run_dir) -> list[int]:
     return [m["step"] for m in load_run(run_dir)["metrics"] if "loss" in m]
-
-
-def losses(run_dir) -> list[tuple[int, float]]:
-    return [(m["step"], m["loss"]) for m in load_run(run_dir)["metrics"] if "loss" in m]
 
 
 def preempt(out, env, processes: int, timeout_s: float = 300) -> subprocess.CompletedProcess:
     """Start the run into ``out`` (slow steps), send SIGUSR1 to one worker once step ``SIGNAL_AFTER_STEP`` is
     logged (on 2 processes, only to the second worker: the other must stop at the same step), and wait."""
-    proc = subprocess.Popen(command([*TRAIN, "--output-dir", out], processes), env={**env, "COURSE_STEP_DELAY_S": "1"},
+    proc = subprocess.Popen(lora_command([*TRAIN, "--output-dir", out], processes), env={**env, "COURSE_STEP_DELAY_S": "1"},
                             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout_s
     while not ((out / "metrics.jsonl").exists() and SIGNAL_AFTER_STEP in logged_steps(out)):
@@ -61,7 +49,7 @@ def preempt(out, env, processes: int, timeout_s: float = 300) -> subprocess.Comp
 
 def check_preempted_then_resumed(tmp_path, env, processes: int):
     baseline, out = tmp_path / "uninterrupted", tmp_path / "preempted"
-    subprocess.run(command([*TRAIN, "--output-dir", baseline], processes), env=env, cwd=REPO_ROOT, check=True,
+    subprocess.run(lora_command([*TRAIN, "--output-dir", baseline], processes), env=env, cwd=REPO_ROOT, check=True,
                    capture_output=True, timeout=600)
 
     stopped = preempt(out, env, processes)
@@ -77,11 +65,11 @@ def check_preempted_then_resumed(tmp_path, env, processes: int):
     assert (out / "checkpoints" / f"checkpoint-{step}" / "checkpoint_complete.json").is_file()
     assert not (out / "summary.json").exists()
 
-    resumed = subprocess.run(command([*TRAIN, "--output-dir", out, "--resume"], processes), env=env, cwd=REPO_ROOT,
+    resumed = subprocess.run(lora_command([*TRAIN, "--output-dir", out, "--resume"], processes), env=env, cwd=REPO_ROOT,
                              capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert logged_steps(out) == list(range(1, STEPS + 1))  # each step once
-    assert losses(out) == losses(baseline)  # exact: the same batches, RNG states and weights
+    assert logged_losses(out) == logged_losses(baseline)  # exact: the same batches, RNG states and weights
     adapter, expected = (load_file(d / "adapter" / "adapter_model.safetensors") for d in (out, baseline))
     assert adapter.keys() == expected.keys() and all((adapter[k] == expected[k]).all() for k in expected)
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import logged_losses, lora_command
 
 from my_utils import UserError
 from my_utils.run.checkpoints import (CHECKPOINT_MANIFEST, checkpoint_problem, find_resume_checkpoint,
@@ -56,16 +57,8 @@ def with_sitecustomize(env: dict, folder: Path, code: str) -> dict:
 
 def lora(args, env, processes: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run the LoRA workflow from a shell: ``python -m`` for one process, ``accelerate launch`` for two."""
-    if processes == 1:
-        cmd = [sys.executable, "-m", "my_utils.workflows.lora", *map(str, args)]
-    else:
-        cmd = accelerate_command("my_utils.workflows.lora", args, num_processes=processes,
-                                 config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
-    return subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(m["step"], m["loss"]) for m in load_run(run_dir)["metrics"] if "loss" in m]
+    return subprocess.run(lora_command(args, processes), env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def run_info(run_dir: Path) -> dict:
@@ -159,7 +152,7 @@ def test_tiny_pipeline_runs_offline_with_spaces_and_non_ascii_paths(one_process)
     info, summary = run_info(out), load_run(out)["summary"]
     assert info["status"] == "complete" and info["config"]["data_file"] == str(one_process["data"])
     assert summary["exact_match_after"] is not None and summary["steps"] == ONE_PROCESS_STEPS
-    assert [s for s, _ in losses(out)] == list(range(1, ONE_PROCESS_STEPS + 1))
+    assert [s for s, _ in logged_losses(out)] == list(range(1, ONE_PROCESS_STEPS + 1))
     # weights as safetensors, in the adapter and in every checkpoint; never a pickled weights file
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     for checkpoint in (out / "checkpoints").glob("checkpoint-*"):
@@ -200,7 +193,7 @@ def test_crash_then_resume_passes_over_a_truncated_checkpoint_and_reproduces_the
         (4, "failed", ["incomplete-checkpoint-6"])]
     assert summary["resumed_from_step"] == 4 and summary["steps"] == ONE_PROCESS_STEPS
     assert summary["local_batch_size"] == 4
-    assert losses(out) == losses(baseline)  # every step, exactly: same data order, RNG and optimizer state
+    assert logged_losses(out) == logged_losses(baseline)  # every step, exactly: same data order, RNG and optimizer state
     assert summary["train_loss_first"] == load_run(baseline)["summary"]["train_loss_first"]
 
     # preempted again, after its last step (in the final evaluation): a second resume finishes it from
@@ -286,8 +279,8 @@ def test_rank_exit_ends_the_job_naming_it_and_a_resume_reproduces_the_losses(two
     assert resumed.returncode == 0, tail(resumed)
     info = run_info(out)
     assert info["status"] == "complete" and [r["from_step"] for r in info["resumes"]] == [4]
-    assert losses(out) == losses(baseline)  # both ranks' data, RNG and optimizer state restored exactly
-    assert [s for s, _ in losses(out)] == list(range(1, STEPS + 1))  # no step recorded twice
+    assert logged_losses(out) == logged_losses(baseline)  # both ranks' data, RNG and optimizer state restored exactly
+    assert [s for s, _ in logged_losses(out)] == list(range(1, STEPS + 1))  # no step recorded twice
 
 
 @pytest.mark.slow
@@ -304,7 +297,7 @@ def test_an_elastic_launch_restarts_a_dead_worker_and_resumes_by_itself(two_proc
     assert proc.returncode == 0, tail(proc)
     info = run_info(out)
     assert info["status"] == "complete" and [r["from_step"] for r in info["resumes"]] == [4]
-    assert losses(out) == losses(baseline)
+    assert logged_losses(out) == logged_losses(baseline)
 
 
 @pytest.mark.slow
@@ -368,7 +361,7 @@ def test_sigterm_under_accelerate_launch_stops_both_workers_with_a_checkpoint(tm
     assert skipped == [] and 1 <= step < STEPS
     assert {"rng_state_0.pth", "rng_state_1.pth", "adapter_model.safetensors"} <= {
         p.name for p in checkpoint.iterdir()}
-    assert max(s for s, _ in losses(out)) == step
+    assert max(s for s, _ in logged_losses(out)) == step
 
 
 @pytest.mark.slow
@@ -389,7 +382,7 @@ def test_ctrl_c_stops_as_sigterm_does_with_a_checkpoint_the_reason_and_the_resum
     assert not (out / "summary.json").exists()
     checkpoint, skipped = find_resume_checkpoint(out / "checkpoints")
     step = int(checkpoint.name.split("-")[1])
-    assert skipped == [] and 1 <= step < STEPS and max(s for s, _ in losses(out)) == step, "a checkpoint at the step"
+    assert skipped == [] and 1 <= step < STEPS and max(s for s, _ in logged_losses(out)) == step, "a checkpoint at the step"
 
 
 @pytest.mark.slow
@@ -405,7 +398,7 @@ def test_auto_batch_size_backs_off_on_out_of_memory(tmp_path):
     summary = load_run(out)["summary"]
     assert (summary["local_batch_size_requested"], summary["local_batch_size"]) == (8, 5)
     assert summary["global_batch_size"] == 5 and summary["first_batches"][0]["batch_size"] == 5
-    assert run_info(out)["status"] == "complete" and [s for s, _ in losses(out)] == [1, 2]
+    assert run_info(out)["status"] == "complete" and [s for s, _ in logged_losses(out)] == [1, 2]
 
 
 RENAME_FAILS = """

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import Finished
 
 from my_utils import JobFailed, UserError
 from my_utils.lessons import rank_sweep
@@ -138,16 +139,6 @@ def test_bad_input_on_the_command_line_writes_nothing(tmp_path, subprocess_env):
         sweep.parse_args(["--ranks", "8", "8", "--output-dir", str(out)])
     with pytest.raises(UserError, match="OPTION=VALUE"):
         sweep.parse_grid(["rank"])
-
-
-class Finished:
-    """What ``_start`` returns, for a cell that the fake workflow has already finished."""
-
-    def __init__(self, returncode):
-        self.returncode = returncode
-
-    def poll(self):
-        return self.returncode
 
 
 def test_complete_cells_are_skipped_and_failed_ones_rerun(tmp_path, monkeypatch, capsys):

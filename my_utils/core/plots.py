@@ -76,7 +76,7 @@ def line_style(i: int) -> dict:
 def loss_figure(runs: list[dict], labels: dict[str, str]):
     """The figure ``loss_curves`` saves: one panel per folder of runs (at most ``LEGEND_ENTRIES`` lines a panel; a
     folder with more gets several, each titled with its share), every line styled apart (``line_style``). The x-axis
-    is samples seen (step x effective batch) in a panel whose every run reports its batch, as runs with a larger batch
+    is samples seen (step x global batch) in a panel whose every run reports its batch, as runs with a larger batch
     take fewer steps for the same data, else optimizer steps; a run with fewer than two logged losses is named under
     its panel's title rather than silently left out."""
     from matplotlib.ticker import MaxNLocator
@@ -92,10 +92,11 @@ def loss_figure(runs: list[dict], labels: dict[str, str]):
     seen = {}
     for ax, (folder, members) in zip(axes, panels):
         seen[folder] = seen.get(folder, 0) + 1
-        per_sample = all(global_batch_of(run["run"], run["summary"]) for run in members)
-        for i, run in enumerate(members):
+        batches = [global_batch_of(run["run"], run["summary"]) for run in members]
+        per_sample = all(batches)
+        for i, (run, batch) in enumerate(zip(members, batches)):
             steps, losses = zip(*[(m["step"], m["loss"]) for m in run["metrics"] if "loss" in m and "step" in m])
-            scale = global_batch_of(run["run"], run["summary"]) if per_sample else 1
+            scale = batch if per_sample else 1
             ax.plot([step * scale for step in steps], losses, label=Path(labels[run["path"]]).name, **line_style(i))
         title = folder if folder != "." else "runs"
         if shares[folder] > 1:
@@ -104,7 +105,7 @@ def loss_figure(runs: list[dict], labels: dict[str, str]):
                 and sum("loss" in m and "step" in m for m in r["metrics"]) < 2]
         if flat and seen[folder] == 1:
             title += f"\nno curve (under 2 losses logged): {', '.join(flat)}"
-        ax.set(xlabel="samples seen (step x effective batch)" if per_sample else "optimizer step",
+        ax.set(xlabel="samples seen (step x global batch)" if per_sample else "optimizer step",
                ylabel="training loss", title=title)
         ax.title.set_fontsize("small")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -106,8 +106,8 @@ def global_batch_of(run_info: dict, summary: dict) -> int | None:
     """Examples per optimizer step over all processes: the summary's ``global_batch_size`` (older summaries:
     ``effective_batch``), else from the config: its ``global_batch_size``, or its per-process batch
     (``local_batch_size``, older configs ``batch_size``) x ``grad_accum`` x processes; None where neither says."""
-    if summary.get("global_batch_size", summary.get("effective_batch")):
-        return summary.get("global_batch_size", summary.get("effective_batch"))
+    if recorded := summary.get("global_batch_size", summary.get("effective_batch")):
+        return recorded
     config = run_info.get("config") or {}
     if isinstance(config.get("global_batch_size"), int):
         return config["global_batch_size"]

@@ -16,9 +16,7 @@ def lesson_dir(lesson: str) -> Path:
     return unique_dir(root / lesson)
 
 
-
 CLAIMS_FILE = "claims.json"
-
 
 
 def record_claims(lesson: str | Path, claims: list[tuple[str, str]]) -> Path:

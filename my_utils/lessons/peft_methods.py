@@ -46,7 +46,7 @@ def training_params(folder: str | Path, method: str) -> dict:
 
 def with_figures(row: dict) -> dict:
     """A sweep row with what this lesson also reads from the run's summary.json: forgetting, exact match before,
-    seconds per step, each part of the tensor memory (rank 0's) and the peft method."""
+    seconds per step, each part of the tensor memory (process 0's) and the peft method."""
     summary = read_json(Path(row["path"]) / "summary.json")
     return {**row, "label": adapter_file_label(row), "peft_type": row["peft_type"] or "FULL",
             "step_s": summary["runtime_s"] / summary["steps"],

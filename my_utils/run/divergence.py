@@ -2,7 +2,7 @@
 on every rank at the same step, so the weights (and the last checkpoint) stay those of the step before.
 
 Every training loop calls ``check_finite`` between its backward pass and its optimizer update (a Trainer through
-``finite_callback``); a ``Diverged`` ends the run like any refusal: one sentence, exit code 2, the run marked
+``StopNonFinite``); a ``Diverged`` ends the run like any refusal: one sentence, exit code 2, the run marked
 failed with the sentence as its error.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from my_utils import UserError
+from my_utils.run.callbacks import Callback
 from my_utils.run.results import read_json
 
 
@@ -68,32 +69,28 @@ def check_finite(step: int, loss, parameters, learning_rate: float) -> None:
                    f"(the weights stay as they were before it); lower --learning-rate (now {learning_rate:g}).")
 
 
-def finite_callback():
+class StopNonFinite(Callback):
     """A Trainer callback that calls ``check_finite`` before every optimizer update, with the step's training loss
     (the sum of its forward passes' losses, kept by a hook on the model) and the model's gradients."""
-    from transformers import TrainerCallback
 
-    class StopNonFinite(TrainerCallback):
-        loss = None
-        hook = None
+    loss = None
+    hook = None
 
-        def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.hook = model.register_forward_hook(self.keep_loss)
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.hook = model.register_forward_hook(self.keep_loss)
 
-        def keep_loss(self, module, inputs, output):
-            loss = getattr(output, "loss", None)
-            if module.training and loss is not None:
-                self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+    def keep_loss(self, module, inputs, output):
+        loss = getattr(output, "loss", None)
+        if module.training and loss is not None:
+            self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
 
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            loss, self.loss = self.loss, None
-            try:
-                check_finite(state.global_step + 1, loss, model.parameters(), args.learning_rate)
-            except Diverged:  # training ends here: the model keeps no hook of a finished Trainer
-                self.hook.remove()
-                raise
-
-        def on_train_end(self, args, state, control, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        loss, self.loss = self.loss, None
+        try:
+            check_finite(state.global_step + 1, loss, model.parameters(), args.learning_rate)
+        except Diverged:  # training ends here: the model keeps no hook of a finished Trainer
             self.hook.remove()
+            raise
 
-    return StopNonFinite()
+    def on_train_end(self, args, state, control, **kwargs):
+        self.hook.remove()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from my_utils import UserError
 from my_utils.run.checkpoints import CHECKPOINT_PREFIX, write_checkpoint_manifest
-from my_utils.run.divergence import finite_callback
+from my_utils.run.divergence import StopNonFinite
 from my_utils.run.signals import Sigterm
 
 CRASH_AT_STEP = "COURSE_CRASH_AT_STEP"
@@ -384,7 +384,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
             raise torch.OutOfMemoryError(f"Fake out of memory. A batch of {ids.shape[0]} rows is above "
                                          f"{FAKE_OOM_ABOVE}={faults['oom_above']}.")
 
-    callbacks = {"manifest": CheckpointManifest(), "stop": StopOnSigterm(), "finite": finite_callback()}
+    callbacks = {"manifest": CheckpointManifest(), "stop": StopOnSigterm(), "finite": StopNonFinite()}
     if faults["step"] is not None or faults["delay"] or faults["oom_above"]:
         callbacks["faults"] = InjectFaults()
     return callbacks

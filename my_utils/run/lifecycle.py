@@ -11,7 +11,6 @@ warning before the time limit) stops it the same way, and a stop at a step ends 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import signal
@@ -26,7 +25,7 @@ from my_utils.core.models import set_threads
 from my_utils.core.printing import print0
 from my_utils.core.records import lora_settings
 from my_utils.run.callbacks import gather_to_rank0
-from my_utils.run.checkpoints import find_resume_checkpoint, saved_step, set_aside_incomplete
+from my_utils.run.checkpoints import file_sha256, find_resume_checkpoint, saved_step, set_aside_incomplete
 from my_utils.run.config import as_record
 from my_utils.run.faults import announce_process, name_stopped_ranks
 from my_utils.run.launch import check_process_count, check_world_size
@@ -134,11 +133,7 @@ def data_fingerprint(path: str | Path | None) -> dict | None:
     (``data_file_fingerprint``) for ``--resume`` to check; None without a file."""
     if not path:
         return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return {"size": Path(path).stat().st_size, "sha256": digest.hexdigest()}
+    return {"size": Path(path).stat().st_size, "sha256": file_sha256(Path(path))}
 
 
 def _flat(config: dict) -> dict:

@@ -14,7 +14,6 @@ from my_utils import UserError
 _HELD: dict[str, int] = {}
 
 
-
 def hold_folder(folder: str | Path, what: str = "The results folder") -> None:
     """Take the writer's lock on ``folder`` for as long as this process writes it: an OS lock on the folder itself
     (``flock``), which ends with the process however it ends (SIGKILL, a reboot), so that no second writer can take
@@ -35,13 +34,11 @@ def hold_folder(folder: str | Path, what: str = "The results folder") -> None:
     _HELD[key] = fd
 
 
-
 def release_folder(folder: str | Path) -> None:
     """Give back the writer's lock on ``folder`` (the run it holds is finished)."""
     fd = _HELD.pop(os.path.realpath(folder), None)
     if fd is not None:
         os.close(fd)
-
 
 
 def writer_alive(folder: str | Path) -> bool | None:
@@ -63,7 +60,6 @@ def writer_alive(folder: str | Path) -> bool | None:
         os.close(fd)  # closing drops the shared lock taken above, if any
 
 
-
 def owner_alive(info: dict, folder: str | Path | None = None) -> bool | None:
     """Whether the process that writes a run is alive: from the folder's writer lock where the run took one (run.json
     says ``writer_lock``), else from its pid; None when it cannot be known here (another machine, no pid)."""
@@ -80,7 +76,6 @@ def owner_alive(info: dict, folder: str | Path | None = None) -> bool | None:
     except PermissionError:  # it exists, owned by someone else
         return True
     return True
-
 
 
 def current_status(info: dict, folder: str | Path | None = None) -> str:

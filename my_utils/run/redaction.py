@@ -23,7 +23,6 @@ def looks_secret(name: str) -> bool:
     return any(w in SECRET_WORDS for w in words) or any(pair in SECRET_PAIRS for pair in zip(words, words[1:]))
 
 
-
 def redact_secrets(obj):
     """``obj`` (a command line, a config) as shown to people: secrets replaced by ``<redacted>``: values of keys and
     ``--options`` whose name looks secret, token-shaped strings, and the values of secret-looking environment

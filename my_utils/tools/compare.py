@@ -383,7 +383,7 @@ def batch_table(runs, name) -> Table:
                      str(s.get("lr_scaling") or "-"), _num(s.get("learning_rate"), "{:.2e}")])
     return Table("Batch and learning rate", ["run", "procs", "batch/process", "grad accum", "global batch",
                                              "lr scaling", "learning rate"], rows,
-                 "effective batch = batch/process x grad accum x processes")
+                 "global batch = batch/process x grad accum x processes")
 
 
 def quality_table(runs, name) -> Table:

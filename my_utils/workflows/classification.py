@@ -47,7 +47,8 @@ PARALLEL = ("none", "ddp", "pipeline")
 
 DESCRIPTION = ("Full fine-tuning or LoRA of a sentence classifier, on one process, with DDP or as a 2-stage pipeline. "
                "Launch DDP and pipeline runs with `ACCELERATE_USE_CPU=1 accelerate launch --config_file "
-               "configs/cpu_x2.yaml -m my_utils.workflows.classification ...`. Writes a results folder and prints its summary.")
+               "configs/cpu_x2.yaml -m my_utils.workflows.classification ...`. Writes a results folder and prints its "
+               "summary.")
 
 
 @dataclass
@@ -98,7 +99,7 @@ def load_sentences(cfg: Config, preset) -> Sentences:
 
 def global_batch(cfg: Config, world_size: int) -> int:
     """Examples per optimizer step over all processes: DDP has one model replica per process, a pipeline one."""
-    return cfg.local_batch_size * (world_size if cfg.parallel == "ddp" else 1)
+    return cfg.global_batch(world_size if cfg.parallel == "ddp" else 1)
 
 
 def whole_batches(rows: list, batch: int) -> list:
@@ -334,13 +335,13 @@ def summarize(cfg: Config, world_size: int, reports: list, history: list, params
     curve = [(h["step"], h["eval_accuracy"]) for h in history if "eval_accuracy" in h]
     losses = [h["loss"] for h in history if "loss" in h]
     per_rank_peak = [peak_bytes(r["end"]) for r in reports]
-    effective_batch = global_batch(cfg, world_size)
+    batch = global_batch(cfg, world_size)
     return {
         "workflow": "classification", "preset": cfg.preset, "method": cfg.method, "parallel": cfg.parallel,
         "world_size": world_size, "world_sizes_seen": [r["world_size_seen"] for r in reports],
         "backend": process_group_backend(),
         "local_batch_size": cfg.local_batch_size,  # per process (DDP), or the whole pipeline's
-        "global_batch_size": effective_batch,
+        "global_batch_size": batch,
         "microbatches": cfg.microbatches if cfg.parallel == "pipeline" else None,
         "max_length": cfg.max_length, "steps": cfg.max_steps, "learning_rate": cfg.learning_rate,
         "eval_rows": eval_rows, "num_labels": num_labels,
@@ -348,7 +349,7 @@ def summarize(cfg: Config, world_size: int, reports: list, history: list, params
         "best_eval_accuracy": max(a for s, a in curve[1:]),
         "accuracy_after": curve[-1][1],  # after the last step, as exact_match_after
         "train_loss_first": losses[0], "train_loss_final": losses[-1],
-        "runtime_s": train_time, "samples_per_s": cfg.max_steps * effective_batch / train_time,
+        "runtime_s": train_time, "samples_per_s": cfg.max_steps * batch / train_time,
         # a pipeline splits the trainable weights over its stages; DDP holds them all on every process
         "trainable_params": params["trainable"],
         "trainable_params_per_rank": [r["trainable"] for r in reports],

@@ -24,7 +24,7 @@ from my_utils.core.paths import RUNS_ROOT
 from my_utils.core.printing import print0, rank_print
 from my_utils.run.callbacks import make_callbacks
 from my_utils.run.cli import command_line
-from my_utils.run.divergence import finite_callback
+from my_utils.run.divergence import StopNonFinite
 from my_utils.run.launch import is_cpu_only
 from my_utils.run.lifecycle import join_world, process_group_backend, run_lifecycle
 from my_utils.workflows.ddp import Config, resolve, step_learning_rate, validate
@@ -52,7 +52,7 @@ def train(cfg: Config) -> dict:
                             device_map=per_rank_device_map())
         memory_cb, metrics_cb = make_callbacks(life.run, per_rank_device())
         trainer = Trainer(model=model, args=training_arguments(cfg, life.folder, learning_rate), train_dataset=dataset,
-                          callbacks=[c for c in (memory_cb, metrics_cb, finite_callback()) if c])
+                          callbacks=[c for c in (memory_cb, metrics_cb, StopNonFinite()) if c])
         report = worker_report(trainer.model)
         write_worker_report(life.folder, report)
         rank_print(f"world size {report['world_size']}, backend {report['backend']}, model on {report['model_device']}")

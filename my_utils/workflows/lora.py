@@ -435,7 +435,7 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
     start_step = int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else 0
     trained = steps > start_step
     settled_batch = trainer.state.train_batch_size or cfg.local_batch_size  # smaller after an --auto-batch-size retry
-    effective_batch = settled_batch * cfg.grad_accum * world_size
+    global_batch = settled_batch * cfg.grad_accum * world_size
     before, after, memory, runtime = measured["before"] or {}, measured["after"] or {}, measured["memory"], \
         measured["runtime"]
     return {
@@ -448,7 +448,7 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
         "local_batch_size_requested": cfg.local_batch_size,
         "auto_batch_size": cfg.auto_batch_size,
         "grad_accum": cfg.grad_accum,
-        "global_batch_size": effective_batch,
+        "global_batch_size": global_batch,
         "learning_rate": measured["learning_rate"],  # the rate that ran: cfg.learning_rate scaled by lr_scaling
         "lr_scaling": cfg.lr_scaling,
         "mixed_precision": cfg.mixed_precision,
@@ -472,9 +472,9 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
         # runtime and throughput of this process's training (after a resume: the resumed part)
         # (none when a resume found the last step already taken)
         "runtime_s": runtime if trained else None,
-        "samples_per_s": (steps - start_step) * effective_batch / runtime if trained else None,
+        "samples_per_s": (steps - start_step) * global_batch / runtime if trained else None,
         # the same per CPU second of the busiest process: steadier than wall-clock on a shared machine
-        "samples_per_cpu_s": (steps - start_step) * effective_batch / max(r["cpu_s"] for r in memory) if trained
+        "samples_per_cpu_s": (steps - start_step) * global_batch / max(r["cpu_s"] for r in memory) if trained
         else None,
         "tokens_per_s": measured["tokens"] / runtime if trained else None,
         "trainable_params": measured["params"]["trainable"],

@@ -36,8 +36,8 @@ from my_utils.run.lifecycle import join_world, process_group_backend, run_lifecy
 
 
 DESCRIPTION = ("Pipeline parallelism: one model stage per process, micro-batches, GPipe or 1F1B. Needs 2+ processes: "
-               "torchrun --nproc_per_node 2 -m my_utils.workflows.pipeline_parallel ..., or (on a CPU) ACCELERATE_USE_CPU=1 accelerate launch --config_file "
-               "configs/cpu_x2.yaml -m ...")
+               "torchrun --nproc_per_node 2 -m my_utils.workflows.pipeline_parallel ..., or (on a CPU) "
+               "ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m ...")
 
 
 @dataclass

@@ -300,7 +300,7 @@ def start_worker(cfg, preset, resolve_config, workflow: str):
     check_world(world_size, workflow)
     cfg = resolve_config(cfg, preset, world_size)
     dataset = block_dataset(preset, cfg.max_length)
-    check_enough_rows(len(dataset), cfg.local_batch_size * world_size)
+    check_enough_rows(len(dataset), cfg.global_batch(world_size))
     torch.manual_seed(cfg.seed)
     return cfg, world_size, dataset, build_model(preset, random_init=cfg.random_init)
 
