@@ -19,9 +19,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	# torch first and alone: nothing installed after it may replace it with a newer build.
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -r requirements.txt
-	# the course, and two extras: TensorBoard (the tests read the event files of --report-to tensorboard back) and
-	# DeepSpeed (lesson 10 runs its ZeRO-2 and 3 beside FSDP2's)
-	$(PY) -m pip install --quiet -e ".[tensorboard,deepspeed]"
+	# the course, and three extras: TensorBoard (the tests read the event files of --report-to tensorboard back),
+	# DeepSpeed (lesson 10 runs its ZeRO-2 and 3 beside FSDP2's) and py-spy (lesson 14 dumps a hung rank's stacks)
+	$(PY) -m pip install --quiet -e ".[tensorboard,deepspeed,diagnose]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
 

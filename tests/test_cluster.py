@@ -19,6 +19,7 @@ from my_utils.core.paths import REPO_ROOT
 from my_utils.core.records import adapter_of
 from my_utils.run.launch import accelerate_command
 from my_utils.run.results import load_run
+from my_utils.lessons import cluster as lc
 from my_utils.tools import cluster
 
 PORT = 17100  # not the default, so that a user's own cluster on this machine is left alone
@@ -33,7 +34,7 @@ def ports_free(base: int, count: int) -> bool:
     except UserError:
         return False
     return True
-SCRIPTS = REPO_ROOT / "configs" / "slurm"
+SCRIPTS = lc.SCRIPTS
 TRAIN = ["--preset", "tiny", "--max-steps", "3", "--logging-steps", "1", "--eval-rows", "8", "--skip-generation-eval",
          "--mixed-precision", "no", "--local-batch-size", "8"]
 
@@ -75,24 +76,11 @@ def local_cluster(session_cluster, tmp_path_factory):
         yield session_cluster
 
 
-def job_env(folder, env) -> dict:
-    """``env`` for sbatch on the cluster in ``folder``: its SLURM_CONF, the CPU switch, this Python first on PATH."""
-    return {**env, **cluster.slurm_env(folder), "COURSE_CPU": "1",
-            "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}"}
-
-
 def submit(folder, env, script, args, output, *sbatch_options):
-    """sbatch ``script`` with ``args`` on the cluster in ``folder`` and wait for the job to end; its id and output."""
-    env = job_env(folder, env)
-    proc = subprocess.run(["sbatch", "--parsable", "--wait", f"--output={output}", *sbatch_options, str(script),
-                           *map(str, args)], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    text = "\n".join(p.read_text() for p in sorted(output.parent.glob(output.name.replace("%a", "*"))))
-    assert proc.returncode == 0, proc.stderr[-2000:] + text[-4000:]
-    return proc.stdout.strip().split(";")[0], text
-
-
-def losses(folder) -> list[float]:
-    return [m["loss"] for m in load_run(folder)["metrics"] if "loss" in m]
+    """sbatch ``script`` with ``args`` on the cluster in ``folder``, waited for; its id and output (exit 0 asserted)."""
+    job, code, text = lc.submit(folder, script, args, output, *sbatch_options, env=lc.job_env(folder, env), check=False)
+    assert code == 0, text[-4000:]
+    return job, text
 
 
 @pytest.mark.slow
@@ -138,8 +126,8 @@ def test_two_node_job_trains_like_two_processes_on_one_machine(local_cluster, tm
     cmd = accelerate_command("my_utils.workflows.lora", [*TRAIN, "--output-dir", one_machine], num_processes=2,
                              config_file=REPO_ROOT / "configs" / "cpu_x2.yaml")
     subprocess.run(cmd, env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True, timeout=600)
-    assert len(losses(nodes_run)) == 3
-    assert losses(nodes_run) == pytest.approx(losses(one_machine), rel=1e-5)
+    assert len(lc.losses(nodes_run)) == 3
+    assert lc.losses(nodes_run) == pytest.approx(lc.losses(one_machine), rel=1e-5)
 
 
 @pytest.mark.slow
@@ -190,30 +178,14 @@ def test_a_preempted_job_requeues_and_resumes_by_itself_with_the_uninterrupted_l
                                                                                        subprocess_env):
     """preemptible.sbatch, sent SIGUSR1 as its time limit would (`scancel --signal=USR1 --batch`) after step 3: the
     workflow checkpoints at the step and exits 75, the script requeues the job, and the job, run again, resumes by
-    itself; the per-step losses are those of an uninterrupted run, each step logged once."""
+    itself (after the local cluster's 10 s credential lifetime); the per-step losses are those of an uninterrupted run,
+    each step logged once."""
     args = ["--preset", "tiny", "--max-steps", "8", "--logging-steps", "1", "--local-batch-size", "4",
             "--eval-rows", "8", "--skip-generation-eval", "--mixed-precision", "no"]
     run_dir, output = tmp_path / "preemptible", tmp_path / "job.out"
-    env = job_env(local_cluster, {**subprocess_env, "COURSE_STEP_DELAY_S": "1"})  # time to signal mid-training
-    job = subprocess.Popen(["sbatch", "--parsable", "--wait", f"--output={output}",
-                            str(SCRIPTS / "preemptible.sbatch"), *map(str, [*args, "--output-dir", run_dir])],
-                           env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3):
-        assert job.poll() is None and time.monotonic() < deadline, "the job never reached step 3"
-        time.sleep(0.2)
-    job_id = load_run(run_dir)["run"]["slurm"]["job_id"]
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
-    # SLURM holds a requeued job back for its credentials' lifetime (120 s); the test lets it start at once
-    while "Restarts=1 " not in (shown := subprocess.run(["scontrol", "show", "job", job_id], env=env,
-                                                         capture_output=True, text=True).stdout):
-        assert job.poll() is None and time.monotonic() < deadline, "the job was not requeued"
-        time.sleep(0.5)
-    if "JobState=PENDING" in shown:
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, check=True)
-    job.communicate(timeout=300)
-    text = output.read_text()  # both runs of the job: the script appends
-    assert job.returncode == 0, text[-4000:]
+    env = lc.job_env(local_cluster, subprocess_env, COURSE_STEP_DELAY_S="1")  # time to signal mid-training
+    job_id, code, text = lc.preempt(local_cluster, args, run_dir, output, 3, env=env, check=False)  # both runs
+    assert code == 0, text[-4000:]
 
     stopped = re.findall(r"lora: preempted \(SIGUSR1; stopped after step (\d+) with checkpoints/checkpoint-\1: the "
                          r"same command with --resume continues\)", text)
@@ -226,7 +198,7 @@ def test_a_preempted_job_requeues_and_resumes_by_itself_with_the_uninterrupted_l
     uninterrupted = tmp_path / "uninterrupted"
     subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", *map(str, args), "--output-dir", uninterrupted],
                    env=subprocess_env, cwd=REPO_ROOT, check=True, capture_output=True, timeout=600)
-    assert losses(run_dir) == losses(uninterrupted)  # exact
+    assert lc.losses(run_dir) == lc.losses(uninterrupted)  # exact
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -304,3 +276,64 @@ def test_scripts_open_with_how_to_submit_them_and_use_srun_where_nodes_are_sever
             launch = text[text.index("\nsrun ") + 1:]
             assert launch.startswith("srun --label bash -c '"), script.name
             assert re.search(r"\$SLURM_(NODEID|PROCID)", launch), script.name
+
+
+# ------------------------------------------------------------------------------------------------ the lesson's parts
+
+
+@pytest.mark.parametrize("trap", sorted(lc.TRAPS))
+def test_each_trap_is_one_edit_of_the_shipped_script(tmp_path, trap):
+    shipped = (SCRIPTS / "multi_node_accelerate.sbatch").read_text()
+    edited = lc.trap_script(trap, tmp_path).read_text()
+    old, new = lc.TRAPS[trap]
+    assert shipped.count(old) == 1 and edited == shipped.replace(old, new) and edited != shipped
+
+
+NO_SRUN = """node n1: machine rank 0 of 2, rendezvous 10.0.0.1:20003
+torch.distributed.DistStoreError: Timed out after 21 seconds waiting for clients. 1/2 clients joined.
+"""
+RANK_0_TWICE = """1: node n2: machine rank 0 of 2, rendezvous 10.0.0.1:20004
+0: node n1: machine rank 0 of 2, rendezvous 10.0.0.1:20004
+1: torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address.
+0: torch.distributed.DistStoreError: Timed out after 16 seconds waiting for clients. 1/2 clients joined.
+"""
+STOPPED = "0: lora: error: rank 1 stopped: rank 0 waited for it in a collective after step 2 that failed\n"
+REFUSED = ("1: lora: error: Rank 1 on n2: the rendezvous host localhost is a loopback address, but this launch spans 2 "
+           "machines\n")
+
+
+@pytest.mark.parametrize("text, sentence", [
+    (NO_SRUN, "Only 1 of the job's 2 nodes launched: n1 (machine rank 0) waited 21 s at 10.0.0.1:20003 for the other "
+              "1, which never started (the launch ran in the batch shell, on the first node alone, without srun)."),
+    (RANK_0_TWICE, "Nodes n1 and n2 each took machine rank 0: n1 waited 16 s at 10.0.0.1:20004 for the 1 machine(s) "
+                   "that never came, as the others could not host the same rendezvous (machine rank expanded once, in "
+                   "the batch shell, not in each node's task)."),
+    (STOPPED, "rank 1 stopped: rank 0 waited for it in a collective after step 2 that failed"),
+    (REFUSED, "Rank 1 on n2: the rendezvous host localhost is a loopback address, but this launch spans 2 machines"),
+    ("0: node n1: machine rank 0 of 2, rendezvous 10.0.0.1:1\n0: all done\n", None),
+])
+def test_a_failed_jobs_output_is_explained_in_one_sentence(text, sentence):
+    assert lc.explain(text) == sentence
+
+
+def test_the_error_file_a_jobs_output_names_is_read_back(tmp_path):
+    (tmp_path / "error.json").write_text('{"message": {"message": "RankFailure: rank 1 stopped"}}')
+    text = f"0:   error_file: <N/A>\n0:   error_file: {tmp_path / 'error.json'}\n"
+    assert lc.error_file(text) == {"message": {"message": "RankFailure: rank 1 stopped"}}
+    assert lc.error_file("0:   error_file: <N/A>\n") is None
+
+
+@pytest.mark.slow
+def test_a_lesson_that_cannot_run_here_is_skipped_with_its_reason(tmp_path):
+    """A lesson that raises LessonSkipped (SLURM cannot start) is reported as skipped, with the reason, not failed."""
+    import nbformat
+
+    from my_utils.tools.demo import LessonSkippedHere, execute_notebook
+
+    lesson = tmp_path / "99_needs_slurm.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from my_utils.lessons.cluster import LessonSkipped\nraise LessonSkipped('SLURM cannot start here: why')")]),
+        lesson)
+    with pytest.raises(LessonSkippedHere) as skipped:
+        execute_notebook(lesson, tmp_path / "out.ipynb", tmp_path, timeout=120)
+    assert skipped.value.reason == "SLURM cannot start here: why"

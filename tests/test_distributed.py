@@ -73,15 +73,17 @@ def test_ddp_equals_one_process_with_the_global_batch(tmp_path, subprocess_env):
 
 
 @pytest.mark.slow
-def test_two_machines_on_localhost(tmp_path, subprocess_env):
+def test_two_machines_on_one_host(tmp_path, subprocess_env):
+    """Two launches of one process each, as two machines would, meeting at this machine's network address (its
+    loopback address where it has no other: a launch across machines refuses loopback otherwise)."""
     from my_utils.core.devices import per_rank_device
-    from my_utils.run.launch import free_port
+    from my_utils.run.launch import free_port, network_address
 
     port = free_port()
     run_dir = tmp_path / "two_nodes"
     nodes = [
         subprocess.Popen([str(c) for c in [*_torchrun(1, "--nnodes", "2", "--node_rank", str(rank), "--master_addr",
-                                                       "127.0.0.1", "--master_port", str(port)),
+                                                       network_address() or "127.0.0.1", "--master_port", str(port)),
                                            "-m", "my_utils.workflows.ddp", *TINY, "--max-steps", "2",
                                            "--local-batch-size", "2", "--output-dir", run_dir]],
                          env=subprocess_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -91,3 +91,32 @@ def test_the_rendezvous_is_checked_from_both_ends(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", no_route)
     with pytest.raises(UserError, match="cannot be reached from this machine within 3 s"):
         env.check_rendezvous("x.yaml", _machines("127.0.0.1", port), 1)
+
+
+@pytest.mark.parametrize("world, here, host, own, refused", [
+    ("2", "1", "localhost", "10.0.0.5", True),    # two machines meeting at localhost: each would host its own
+    ("2", "1", "127.0.0.1", "10.0.0.5", True),
+    ("2", "1", "10.0.0.1", "10.0.0.5", False),    # the first machine's network address
+    ("2", "2", "127.0.0.1", "10.0.0.5", False),   # one machine: loopback is right
+    ("2", "1", "127.0.0.1", None, False),         # no other address: every "machine" is this one
+])
+def test_a_worker_of_a_launch_across_machines_refuses_a_loopback_rendezvous(monkeypatch, world, here, host, own,
+                                                                            refused):
+    from my_utils.run import launch
+
+    monkeypatch.setattr(launch, "network_address", lambda: own)
+    for key, value in {"WORLD_SIZE": world, "LOCAL_WORLD_SIZE": here, "MASTER_ADDR": host, "RANK": "1",
+                       "SLURMD_NODENAME": "n2"}.items():
+        monkeypatch.setenv(key, value)
+    if refused:
+        with pytest.raises(UserError, match=rf"^Rank 1 on n2: the rendezvous host {host} is a loopback address, but "
+                                            rf"this launch spans 2 machines.*this one's is 10.0.0.5\)\.$"):
+            launch.check_rendezvous_host()
+    else:
+        launch.check_rendezvous_host()
+
+
+def test_the_network_address_is_not_loopback():
+    from my_utils.run.launch import is_loopback, network_address
+
+    assert network_address() is None or not is_loopback(network_address())

@@ -38,6 +38,18 @@ def file_system_refusal(e: OSError) -> str | None:
             "from one, for a command that writes where it runs).")
 
 
+def record_failure(error: BaseException) -> None:
+    """Write ``error`` (its message and traceback) to torchelastic's error file where the launcher (torchrun,
+    accelerate launch) asked for one, as torch's ``@record`` does: the launcher's failure summary then shows it as
+    the root cause, with the file's path, in place of "To enable traceback see ..."."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        handler = get_error_handler()
+        handler.initialize()
+        handler.record_exception(error)
+
+
 def run_main(body, prefix: str = "my_utils"):
     """Run ``body()``; print its summary on rank 0; turn UserError, and a write the file system refused (a full
     disk, a read-only folder: the run, if any, already marked failed), into a one-line message and exit 2 (exit 0 for
@@ -70,6 +82,7 @@ def run_main(body, prefix: str = "my_utils"):
     except RankFailure as e:
         # A fault, not a bug: one line, and the stopped rank ends first, so the launcher names it too.
         print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
+        record_failure(e)
         e.end_stopped_ranks()
         raise SystemExit(1) from None
     end_process_group()
@@ -108,7 +121,8 @@ def run_as_script(main) -> None:
     accelerate loop) sometimes aborts in C++ teardown at interpreter exit ("terminate called without an active
     exception"), after its results are written; the launcher then reports the whole job as failed. Everything a
     workflow writes is closed when ``main`` returns, so there is nothing left for that teardown to do. Any other
-    exception than SystemExit is a bug and ends the process the usual way, with its traceback.
+    exception than SystemExit is a bug and ends the process the usual way, with its traceback (also written to
+    the launcher's error file, ``record_failure``).
     """
     try:
         main()
@@ -117,6 +131,9 @@ def run_as_script(main) -> None:
         if not (e.code is None or isinstance(e.code, int)):
             raise
         code = e.code or 0
+    except BaseException as e:  # a bug: its traceback on stderr as usual, and in the launcher's error file
+        record_failure(e)
+        raise
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import ipaddress
 import os
 import socket
 import subprocess
@@ -224,6 +225,43 @@ def check_gpu_only_launch() -> None:
                         "the CPU config without the variable its workers need); on a CPU launch it as "
                         "ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml, with the same module "
                         "and options.")
+
+
+def is_loopback(ip: str) -> bool:
+    """Whether ``ip`` is a loopback address (127.x, ::1), which names each machine itself."""
+    return ipaddress.ip_address(ip.split("%")[0]).is_loopback
+
+
+def network_address() -> str | None:
+    """This machine's first IPv4 address that another machine could reach (not loopback); None when it has only
+    loopback (a laptop offline), where every "machine" of a launch is necessarily this one."""
+    import psutil  # accelerate's dependency
+
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not is_loopback(a.address):
+                return a.address
+    return None
+
+
+def check_rendezvous_host() -> None:
+    """Inside a worker of a launch that spans machines (more processes in the world than on this machine): the
+    rendezvous address (MASTER_ADDR) is not loopback. Each machine takes localhost for itself, so every machine
+    would host a rendezvous of its own, or wait at one nobody hosts; refused before the group forms (UserError)."""
+    world, here = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    host = os.environ.get("MASTER_ADDR")
+    if not host or not here or world <= here:
+        return
+    try:
+        ip = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, UnicodeError):
+        return  # the launcher's own error names an address that does not resolve
+    own = network_address()
+    if is_loopback(ip) and own:
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        raise UserError(f"Rank {os.environ.get('RANK', '?')} on {node}: the rendezvous host {host} is a loopback "
+                        f"address, but this launch spans {world // here} machines, each of which takes it for "
+                        f"itself; give the first machine's network address instead (this one's is {own}).")
 
 
 def join_restarted_group(timeout_s: float | None = None) -> None:

@@ -28,7 +28,7 @@ from my_utils.run.callbacks import gather_to_rank0
 from my_utils.run.checkpoints import file_sha256, find_resume_checkpoint, saved_step, set_aside_incomplete
 from my_utils.run.config import as_record
 from my_utils.run.faults import announce_process, name_stopped_ranks
-from my_utils.run.launch import check_process_count, check_world_size
+from my_utils.run.launch import check_process_count, check_rendezvous_host, check_world_size
 from my_utils.run.locks import current_status, hold_folder, owner_alive
 from my_utils.run.redaction import hash_secrets, redact_secrets
 from my_utils.run.results import Run, check_new_run_dir, now, read_json, unique_dir
@@ -246,6 +246,7 @@ def join_world(num_processes: int | None, timeout_s: float | None = None) -> int
     if local_processes:  # before the group forms: more processes than cores may not finish forming it before the
         # first of them refuses and exits, and the others would then fail inside gloo
         check_process_count(int(local_processes))
+    check_rendezvous_host()
     world_size = check_world_size(num_processes, timeout_s=timeout_s)
     if not local_processes:
         check_process_count(world_size)

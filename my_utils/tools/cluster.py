@@ -9,8 +9,10 @@ run the sbatch scripts of ``configs/slurm/`` unchanged before they meet a real c
 
 One folder holds everything: slurm.conf, a munge key and munged's socket, the controller's state, each node's
 spool, the daemons' logs and pids.json (the daemons ``up`` started: ``down`` stops exactly those). Every node is a
-``slurmd -N nK`` of this machine on its own port with address 127.0.0.1; node names (n1, n2...) are not host names,
-so a script finds a node's address with ``scontrol show node`` (NodeAddr), as the scripts in configs/slurm/ do.
+``slurmd -N nK`` of this machine on its own port, at this machine's network address (127.0.0.1 where it has only
+loopback; a launch across machines refuses a loopback rendezvous otherwise); node names (n1, n2...) are not host
+names, so a script finds a node's address with ``scontrol show node`` (NodeAddr), as the scripts in configs/slurm/
+do.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from my_utils import NothingToDo, UserError
 from my_utils.core.devices import usable_cores
 from my_utils.core.paths import RUNS_ROOT
 from my_utils.run.config import OneLineParser
+from my_utils.run.launch import network_address
 
 DEFAULT_DIR = RUNS_ROOT / "cluster"
 DEFAULT_PORT = 17000  # slurmctld's; node K listens on DEFAULT_PORT + K
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sinfo", "scontrol", "squeue", "scancel", "sbatch", "srun")
 PACKAGES = "slurm-wlm munge"
 UP_TIMEOUT_S = 60
+CREDENTIAL_LIFETIME_S = 10  # also how long a requeued job waits before it runs again (SLURM: 120 s)
 
 HELP = f"""\
 A SLURM cluster of emulated nodes on this machine: munged, slurmctld and one `slurmd -N nK` per node (one core
@@ -78,7 +82,8 @@ def write_config(folder: Path, nodes: int, port: int) -> None:
     if not key.exists():
         key.write_bytes(secrets.token_bytes(1024))
         key.chmod(0o400)
-    node_lines = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port + k} CPUs=1 State=UNKNOWN"
+    address = network_address() or "127.0.0.1"
+    node_lines = [f"NodeName={name} NodeHostname={host} NodeAddr={address} Port={port + k} CPUs=1 State=UNKNOWN"
                   for k, name in enumerate(node_names(nodes), start=1)]
     config_path(folder).write_text("\n".join([
         "# Written by `python -m my_utils cluster up`: emulated nodes of one machine.",
@@ -89,7 +94,8 @@ def write_config(folder: Path, nodes: int, port: int) -> None:
         f"SlurmdUser={user}",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={folder / 'munge' / 'munge.socket'}",
+        # a requeued job waits for its credential's lifetime before it runs again (120 s by default)
+        f"AuthInfo=socket={folder / 'munge' / 'munge.socket'},cred_expire={CREDENTIAL_LIFETIME_S}",
         f"StateSaveLocation={folder / 'state'}",
         f"SlurmdSpoolDir={folder / 'spool' / '%n'}",
         f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
@@ -266,6 +272,20 @@ def stop(folder: Path) -> list[str]:
             pass
     (folder / "pids.json").unlink(missing_ok=True)
     return list(alive)
+
+
+RECORD = "cluster.json"  # {"folder": ...}: a cluster a lesson started, in the lesson's results folder
+
+
+def stop_recorded(root: Path) -> list[str]:
+    """Stop the clusters recorded under ``root`` (``RECORD``, by lessons; also one a failed lesson left running)
+    and remove their folders; the daemons stopped."""
+    stopped = []
+    for record in Path(root).rglob(RECORD):
+        folder = Path(json.loads(record.read_text())["folder"])
+        stopped += stop(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+    return stopped
 
 
 def down(folder: str | Path = DEFAULT_DIR) -> list[str]:

@@ -26,6 +26,7 @@ from my_utils.core.presets import get_preset
 from my_utils.run.config import OneLineParser, check_positive
 from my_utils.run.launch import check_process_count, max_processes
 from my_utils.run.results import Run, next_run_root
+from my_utils.tools.cluster import stop_recorded
 from my_utils.tools.compare import load_runs, overview
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
@@ -69,9 +70,11 @@ def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 
     """Execute one notebook with COURSE_RUN_ROOT set and ``parameters`` injected (``inject_parameters``), save it
     with its outputs; returns seconds taken. ``then``: code cells run after the last one, in the same kernel (the
     tests perturb a lesson's figures there and run its checks again). A failing cell raises, after the partly
-    executed notebook is saved for inspection."""
+    executed notebook is saved for inspection; a lesson that stops itself as skipped (LessonSkipped: what it needs
+    cannot run here) raises LessonSkippedHere with its reason."""
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
     from traitlets.config import Config
 
     nb = nbformat.read(path, as_version=4)
@@ -87,8 +90,13 @@ def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 
         # eavesdrop on, and the kernel has no reason to warn about it.
         with tempfile.TemporaryDirectory() as sockets:
             kernel = Config({"KernelManager": {"transport": "ipc", "ip": str(Path(sockets) / "kernel")}})
-            NotebookClient(nb, timeout=timeout, kernel_name="python3", config=kernel,
-                           resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+            try:
+                NotebookClient(nb, timeout=timeout, kernel_name="python3", config=kernel,
+                               resources={"metadata": {"path": str(NOTEBOOKS)}}).execute()
+            except CellExecutionError as e:
+                if e.ename == "LessonSkipped":
+                    raise LessonSkippedHere(e.evalue) from None
+                raise
     finally:
         nbformat.write(nb, out_path)
         for key, value in previous.items():
@@ -97,6 +105,16 @@ def execute_notebook(path: Path, out_path: Path, run_root: Path, timeout: int = 
             else:
                 os.environ[key] = value
     return time.perf_counter() - started
+
+
+class LessonSkippedHere(Exception):
+    """A notebook stopped by ``my_utils.lessons.cluster.LessonSkipped`` (what it needs cannot run on this machine;
+    matched by name, as the kernel reports it):
+    ``reason`` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
 
 
 def main(argv=None) -> Path:
@@ -126,7 +144,7 @@ def main(argv=None) -> Path:
           flush=True)
     import nbformat
 
-    timings, taken = {}, {}
+    timings, taken, skipped = {}, {}, {}
     for nb in selected:  # what each lesson takes of the settings asked for; one line for what it leaves
         taken[nb.name] = [name for name in parameters if name in declared_parameters(nbformat.read(nb, as_version=4))]
         left = [f"{name}={parameters[name]}" for name in parameters if name not in taken[nb.name]
@@ -139,14 +157,24 @@ def main(argv=None) -> Path:
     try:
         for nb in (bar := tqdm(selected, unit="notebook", file=sys.stdout)):
             bar.set_description(nb.stem)
-            timings[nb.name] = execute_notebook(nb, root / nb.name, root, parameters=parameters)
+            started_nb = time.perf_counter()
+            try:
+                timings[nb.name] = execute_notebook(nb, root / nb.name, root, parameters=parameters)
+            except LessonSkippedHere as e:
+                timings[nb.name], skipped[nb.stem] = time.perf_counter() - started_nb, e.reason
+                bar.write(f"{nb.stem} skipped: {e.reason}")
     except BaseException as e:
         record.fail(f"{type(e).__name__} in {nb.name}: {str(e)[-500:]}")
         print(f"\n{nb.name} failed; the partly executed notebook is in {root / nb.name}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        stop_recorded(root)  # a lesson that failed midway may have left its cluster running
     wall = time.perf_counter() - started
-    record.finish({"notebook_seconds": timings, "total_seconds": sum(timings.values()), "wall_seconds": wall})
+    record.finish({"notebook_seconds": timings, "total_seconds": sum(timings.values()), "wall_seconds": wall,
+                   "skipped": skipped})
     if load_runs(root)[0]:  # a lesson without runs of its own (00) has no table to show
         print("\n" + overview(root, root=root))
+    for lesson, reason in skipped.items():
+        print(f"skipped: {lesson}: {reason}")
     print(f"\nDone: {len(selected)} notebook(s) in {wall:.0f} s. Results: {root.relative_to(REPO_ROOT)}/")
     return root

@@ -24,7 +24,7 @@ from my_utils.core.devices import cuda_available, device_inventory
 from my_utils.core.memory import format_bytes
 from my_utils.core.tables import text_table
 from my_utils.run.config import OneLineParser
-from my_utils.run.launch import accelerate_default_config
+from my_utils.run.launch import accelerate_default_config, is_loopback
 from my_utils.run.results import library_versions
 
 # Variables that change what a launch does or what a run measures.
@@ -49,11 +49,6 @@ def read_accelerate_config(path: str | Path) -> dict:
     if not isinstance(settings, dict):
         raise UserError(f"Accelerate config {path} is not a mapping of settings; run `accelerate config` to write one.")
     return settings
-
-
-def is_loopback(ip: str) -> bool:
-    """Whether ``ip`` is a loopback address (127.x, ::1), which names each machine itself."""
-    return ipaddress.ip_address(ip.split("%")[0]).is_loopback
 
 
 def names_one_machine(ip: str) -> bool:
