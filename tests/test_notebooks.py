@@ -86,7 +86,8 @@ MUTATIONS = {
         "cells[1]['config']['adapter']['peft']['r'] = 4  # both array tasks at one rank",
         "resumed_losses = resumed_losses[:-1] + [resumed_losses[-1] * (1 + 1e-7)]  # a resume ten-millionths off",
         "resumed_steps = resumed_steps + [STEPS]  # the last step logged twice",
-        "traps['no srun']['seconds'] = 75.0  # a hang cut after more than a minute",
+        "traps['no srun']['sentence'] = re.sub(r'waited \\d+ s', 'waited 75 s', traps['no srun']['sentence'])"
+        "  # a hang cut after more than a minute",
         "traps['every node machine rank 0']['sentence'] = 'the job failed'  # a trap nobody named",
         "hang['sentence'] = 'a rank stopped (which one could not be told)'  # the stopped rank not named",
         "dumps[1] = dumps[0]  # a dump that does not show where rank 1 stopped",

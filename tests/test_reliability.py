@@ -329,8 +329,12 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_every_message_names_
     assert info["status"] == "failed"
     assert info["error"].startswith("RankFailure: rank 1 stopped"), info["error"]
     assert f"--timeout-s {timeout_s}" in info["error"]
-    # the same rank on stderr (one line: the only traceback is the launcher's own) and as its root cause
-    assert "lora: error: rank 1 stopped" in output and output.count("Traceback (most recent call last)") == 1
+    # the same rank on stderr (one line: no worker prints a traceback, the launcher's own comes before its summary) and
+    # as its root cause; rank 0's failure is in the summary too, read from its error file
+    assert "lora: error: rank 1 stopped" in output
+    assert output.split("ChildFailedError")[0].count("Traceback (most recent call last)") == 1
+    others = output.split("Failures:")[1].split("Root Cause")[0]
+    assert "error_file: /" in others and "RankFailure: rank 1 stopped" in others, others
     root_cause = output.split("Root Cause")[1]
     assert "rank      : 1 " in root_cause and "SIGKILL" in root_cause, root_cause
     print(f"stopped rank: the job ended {took:.0f} s after rank 1 stopped (--timeout-s {timeout_s})")

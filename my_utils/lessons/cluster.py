@@ -70,7 +70,8 @@ def job_env(folder: Path, base: dict | None = None, **more: str) -> dict:
 
 def output_text(output: Path) -> str:
     """A job's output file (an array's: every task's, ``%a`` in the name), as one text."""
-    return "\n".join(p.read_text() for p in sorted(output.parent.glob(output.name.replace("%a", "*"))))
+    # errors="replace": two tasks writing one file may split a character of a progress bar
+    return "\n".join(p.read_text(errors="replace") for p in sorted(output.parent.glob(output.name.replace("%a", "*"))))
 
 
 def submit(folder: Path, script: Path, args: list, output: Path, *options: str, env: dict | None = None,

@@ -90,6 +90,9 @@ def write_config(folder: Path, nodes: int, port: int) -> None:
         "ClusterName=course",
         f"SlurmctldHost={host}(127.0.0.1)",
         f"SlurmctldPort={port}",
+        # job ids from 10 x the port: the scripts take their rendezvous port from the job id, so two clusters of
+        # this machine (on other ports) never give two running jobs the same one
+        f"FirstJobId={10 * port}",
         f"SlurmUser={user}",
         f"SlurmdUser={user}",
         "AuthType=auth/munge",
