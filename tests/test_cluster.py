@@ -337,3 +337,14 @@ def test_a_lesson_that_cannot_run_here_is_skipped_with_its_reason(tmp_path):
     with pytest.raises(LessonSkippedHere) as skipped:
         execute_notebook(lesson, tmp_path / "out.ipynb", tmp_path, timeout=120)
     assert skipped.value.reason == "SLURM cannot start here: why"
+
+
+def test_stop_recorded_stops_and_removes_what_a_lesson_recorded(tmp_path):
+    import json
+
+    folder, lesson = tmp_path / "course-cluster-x", tmp_path / "runs" / "14_cluster"
+    folder.mkdir()
+    lesson.mkdir(parents=True)
+    (lesson / cluster.RECORD).write_text(json.dumps({"folder": str(folder)}))
+    assert cluster.stop_recorded(tmp_path / "runs") == []  # nothing ran there any more
+    assert not folder.exists() and not (lesson / cluster.RECORD).exists()

@@ -282,12 +282,13 @@ RECORD = "cluster.json"  # {"folder": ...}: a cluster a lesson started, in the l
 
 def stop_recorded(root: Path) -> list[str]:
     """Stop the clusters recorded under ``root`` (``RECORD``, by lessons; also one a failed lesson left running)
-    and remove their folders; the daemons stopped."""
+    and remove their folders and records; the daemons stopped."""
     stopped = []
     for record in Path(root).rglob(RECORD):
         folder = Path(json.loads(record.read_text())["folder"])
         stopped += stop(folder)
         shutil.rmtree(folder, ignore_errors=True)
+        record.unlink()  # it named a temporary folder, now gone
     return stopped
 
 
