@@ -26,14 +26,6 @@ PORT = 17100  # not the default, so that a user's own cluster on this machine is
 STARTED = {}  # the controller's port of the cluster local_cluster started
 
 
-def ports_free(base: int, count: int) -> bool:
-    """Ports base .. base + count - 1 are free (a cluster stopped less than a minute ago still holds its own)."""
-    try:
-        for port in range(base, base + count):
-            cluster.check_port_free(port)
-    except UserError:
-        return False
-    return True
 SCRIPTS = lc.SCRIPTS
 TRAIN = ["--preset", "tiny", "--max-steps", "3", "--logging-steps", "1", "--eval-rows", "8", "--skip-generation-eval",
          "--mixed-precision", "no", "--local-batch-size", "8"]
@@ -58,7 +50,7 @@ def session_cluster(tmp_path_factory):
     # each pytest-xdist worker its own range, so that two workers starting a cluster at once never pick the same
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
     first = PORT + 200 * worker
-    STARTED["port"] = next((base for base in range(first, first + 200, 20) if ports_free(base, 3)), first)
+    STARTED["port"] = cluster.free_ports(first, first + 200, step=20) or first
     try:
         cluster.up(folder, nodes=2, port=STARTED["port"])
         yield folder

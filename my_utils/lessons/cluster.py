@@ -40,17 +40,13 @@ def start_cluster(lesson: Path) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="course-cluster-"))
     Path(lesson).mkdir(parents=True, exist_ok=True)
     (Path(lesson) / cluster.RECORD).write_text(json.dumps({"folder": str(folder)}))
-    for port in range(cluster.DEFAULT_PORT + 700, cluster.DEFAULT_PORT + 1000, 10):  # clear of the default's
-        try:
-            for p in range(port, port + 3):
-                cluster.check_port_free(p)
-        except UserError:
-            continue
-        try:
-            return cluster.up(folder, nodes=2, port=port)
-        except UserError as e:
-            raise LessonSkipped(f"SLURM cannot start here: {e}") from None
-    raise LessonSkipped("SLURM cannot start here: no free ports for its daemons between 17700 and 18000.")
+    port = cluster.free_ports(cluster.DEFAULT_PORT + 700, cluster.DEFAULT_PORT + 1000)  # clear of the default's
+    if port is None:
+        raise LessonSkipped("SLURM cannot start here: no free ports for its daemons between 17700 and 18000.")
+    try:
+        return cluster.up(folder, nodes=2, port=port)
+    except UserError as e:
+        raise LessonSkipped(f"SLURM cannot start here: {e}") from None
 
 
 def job_env(folder: Path, base: dict | None = None, **more: str) -> dict:

@@ -172,6 +172,19 @@ def check_port_free(port: int) -> None:
                             f"takes the port + K).") from None
 
 
+def free_ports(first: int, last: int, count: int = 3, step: int = 10) -> int | None:
+    """The first of ``first``, ``first + step`` ... below ``last`` whose ``count`` ports from it are all free (a
+    cluster's controller and its nodes); None when there is none."""
+    for base in range(first, last, step):
+        try:
+            for p in range(base, base + count):
+                check_port_free(p)
+        except UserError:
+            continue
+        return base
+    return None
+
+
 def start(folder: Path, name: str, argv: list[str], daemons: dict) -> None:
     """Start one daemon in the foreground of its own session, its output to log/<name>.out; record its pid."""
     out = open(folder / "log" / f"{name}.out", "ab")
