@@ -42,6 +42,18 @@ def test_a_sweep_cell_over_a_token_named_file_is_named_by_its_hash_from_the_real
     assert secret_hash(secret_hash(TOKEN_A)) == secret_hash(TOKEN_A)
 
 
+def test_an_adapter_file_edited_since_the_run_started_is_refused_by_its_fields_on_resume(tmp_path):
+    adapter = {"adapter_config": "configs/peft/prompt_tuning.json", "rank": 8,
+               "peft": {"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 8, "task_type": "CAUSAL_LM"}}
+    results.Run.create(tmp_path / "r", config={"adapter": adapter}).fail("boom")
+    check_resumable(tmp_path / "r", {"adapter": adapter})
+    edited = {**adapter, "peft": {**adapter["peft"], "num_virtual_tokens": 16}}
+    with pytest.raises(UserError, match=r"was started with another adapter \(num_virtual_tokens 8, not 16\); resume "
+                                        "with the adapter file as it was") as e:
+        check_resumable(tmp_path / "r", {"adapter": edited})
+    assert "--peft" not in str(e.value)  # not a flag anyone could type
+
+
 @dataclass
 class DataConfig:
     output_dir: str

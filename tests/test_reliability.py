@@ -284,23 +284,6 @@ def test_rank_exit_ends_the_job_naming_it_and_a_resume_reproduces_the_losses(two
 
 
 @pytest.mark.slow
-def test_an_elastic_launch_restarts_a_dead_worker_and_resumes_by_itself(two_processes):
-    """torchrun --max-restarts 1: rank 1 dies after step 5; the launcher starts both workers again, and they go on
-    from the step-4 checkpoint with no --resume given, to the uninterrupted run's losses."""
-    tmp, baseline = two_processes["tmp"], two_processes["out"]
-    out = tmp / "elastic"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
-           "1", "-m", "my_utils.workflows.lora", *ARGS, "--eval-rows", "6", "--skip-generation-eval", "--timeout-s",
-           "60", "--output-dir", str(out)]
-    env = env_for(tmp, ACCELERATE_USE_CPU=1, COURSE_CRASH_AT_STEP=5, COURSE_CRASH_RANK=1, COURSE_CRASH_MODE="exit")
-    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, tail(proc)
-    info = run_info(out)
-    assert info["status"] == "complete" and [r["from_step"] for r in info["resumes"]] == [4]
-    assert logged_losses(out) == logged_losses(baseline)
-
-
-@pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_within_the_timeout_and_every_message_names_it(tmp_path):
     out, timeout_s = tmp_path / "stopped", 8
     cmd = accelerate_command("my_utils.workflows.lora", [*ARGS, "--eval-rows", "6", "--skip-generation-eval",
@@ -359,12 +342,12 @@ def test_sigterm_under_accelerate_launch_stops_both_workers_with_a_checkpoint(tm
     assert "SIGTERM" in info["error"] and "--resume" in info["error"]
     assert not (out / "summary.json").exists()  # nothing half-written
     assert not list(out.rglob("*.tmp"))
-    assert output.count("lora: interrupted (SIGTERM") == 2  # both workers stopped cleanly, not killed
+    assert output.count("lora: interrupted (SIGTERM") == 1, output[-3000:]  # said once for the job, not per worker
     checkpoint, skipped = find_resume_checkpoint(out / "checkpoints")
     step = int(checkpoint.name.split("-")[1])
     assert skipped == [] and 1 <= step < STEPS
     assert {"rng_state_0.pth", "rng_state_1.pth", "adapter_model.safetensors"} <= {
-        p.name for p in checkpoint.iterdir()}
+        p.name for p in checkpoint.iterdir()}  # both workers stopped cleanly at the step, neither was killed
     assert max(s for s, _ in logged_losses(out)) == step
 
 

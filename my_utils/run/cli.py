@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 
 from my_utils import JobFailed, NothingToDo, UserError
 from my_utils.core.printing import print0
 from my_utils.run.config import parse_config
-from my_utils.run.faults import RankFailure, first_to_say
+from my_utils.run.faults import RankFailure, first_to_say, name_lost_ranks, name_stopped_ranks
 from my_utils.run.redaction import redact_secrets
 from my_utils.run.signals import PREEMPTED_EXIT, Preempted, end_process_group
 
@@ -50,6 +51,19 @@ def record_failure(error: BaseException) -> None:
         handler.record_exception(error)
 
 
+def end_with(failure: RankFailure, prefix: str):
+    """A stopped rank is a fault, not a bug: one line, its error file for the launcher, and the stopped rank ended
+    first, so that the launcher names it too; exit 1."""
+    print(f"{prefix}: error: {failure}", file=sys.stderr, flush=True)
+    record_failure(failure)
+    try:  # all is said: the launcher's SIGTERM, which the stopped rank's end brings, may now end this process
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:  # not the main thread
+        pass
+    failure.end_stopped_ranks()
+    raise SystemExit(1) from None
+
+
 def run_main(body, prefix: str = "my_utils"):
     """Run ``body()``; print its summary on rank 0; turn UserError, and a write the file system refused (a full
     disk, a read-only folder: the run, if any, already marked failed), into a one-line message and exit 2 (exit 0 for
@@ -77,14 +91,18 @@ def run_main(body, prefix: str = "my_utils"):
         print(f"{prefix}: preempted ({e})", file=sys.stderr, flush=True)
         raise SystemExit(PREEMPTED_EXIT) from None
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (``recorded`` has marked the run interrupted): one line
-        print(f"{prefix}: interrupted ({str(e) or 'Ctrl-C'})", file=sys.stderr, flush=True)
-        raise SystemExit(130) from None
-    except RankFailure as e:
-        # A fault, not a bug: one line, and the stopped rank ends first, so the launcher names it too.
-        print(f"{prefix}: error: {e}", file=sys.stderr, flush=True)
-        record_failure(e)
-        e.end_stopped_ranks()
-        raise SystemExit(1) from None
+        failure = name_lost_ranks(e)  # or the launcher stopped this rank because another died (during set-up)
+        if failure is None:
+            message = f"{prefix}: interrupted ({str(e) or 'Ctrl-C'})"
+            if first_to_say(message):  # once per job, not once per rank
+                print(message, file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+        end_with(failure, prefix)
+    except Exception as e:
+        failure = name_stopped_ranks(e)  # a stopped rank, named during the run or (here) during set-up
+        if failure is None:
+            raise
+        end_with(failure, prefix)
     end_process_group()
     if isinstance(summary, dict):
         print0(format_summary(summary))

@@ -2,15 +2,20 @@
 
 - a rank that dies, hangs or is stopped (SIGSTOP): collectives time out after ``--timeout-s`` and the error names
   the rank that stopped (the live ranks say so in the process group's store; the silent one is named,
-  ``name_stopped_ranks``); a stopped rank on this machine is then killed (``RankFailure.end_stopped_ranks``), so
-  that the job ends at once and the launcher names the same rank;
+  ``name_stopped_ranks``), with what became of it (its own error, its process gone, or alive and silent); a
+  stopped rank on this machine is then killed (``RankFailure.end_stopped_ranks``), so that the job ends at once
+  and the launcher names the same rank;
+- a launcher that stops the other ranks (SIGTERM) once one has died: the dead rank is named all the same
+  (``name_lost_ranks``), not taken for a stop asked by hand;
 - the Trainer-facing parts, ``reliability_callbacks`` (checkpoint manifests, a clean stop on SIGTERM) and
   ``course_trainer_class``; transformers is imported inside them, so importing this module stays light;
 - fault injection for the tests (environment variables, unset in normal runs)::
 
-      COURSE_CRASH_AT_STEP=k     crash at the end of optimizer step k
+      COURSE_CRASH_AT_STEP=k     crash at the end of optimizer step k (0: during set-up, once the process group
+                                 has formed, before the results folder opens)
       COURSE_CRASH_RANK=r        ... on rank r only (default: every rank)
       COURSE_CRASH_MODE=m        raise (an exception, default) | exit (os._exit(1), no clean-up) |
+                                 kill (SIGKILL to itself) |
                                  stop (SIGSTOP to itself: alive, but deaf even to SIGTERM, until killed)
       COURSE_STEP_DELAY_S=s      sleep s seconds after every step (time for a test to send a signal)
       COURSE_FAKE_OOM_ABOVE=n    raise torch.OutOfMemoryError in a training forward with more than n rows
@@ -37,9 +42,10 @@ CRASH_RANK = "COURSE_CRASH_RANK"
 CRASH_MODE = "COURSE_CRASH_MODE"
 STEP_DELAY = "COURSE_STEP_DELAY_S"
 FAKE_OOM_ABOVE = "COURSE_FAKE_OOM_ABOVE"
-CRASH_MODES = ("raise", "exit", "stop")
+CRASH_MODES = ("raise", "exit", "kill", "stop")
 FAILED_KEY = "course/collective_failed/{rank}"  # in the process group's store
 PROCESS_KEY = "course/process/{rank}"  # "host pid" of each rank, written when it joins
+ENDED_KEY = "course/ended/{rank}"  # how a rank's run ended when it did not finish: "interrupted" or its error
 # The signals a stop agreed across ranks can name, weakest first: ranks that got different ones all end as the
 # strongest asked (a SIGTERM means no requeue; SIGUSR1 alone means preempted, to be requeued).
 STOP_SIGNALS = ("SIGUSR1", "Ctrl-C", "SIGTERM")
@@ -146,15 +152,56 @@ def first_to_say(message: str) -> bool:
         return True
 
 
-def _processes_here(store, ranks: list[int]) -> list[int]:
-    """The process ids of those of ``ranks`` that run on this machine (as they announced them)."""
-    pids = []
+def _processes_here(store, ranks: list[int]) -> dict[int, int]:
+    """The process ids of those of ``ranks`` that run on this machine (as they announced them), by rank."""
+    pids = {}
     for rank in ranks:
         if store.check([PROCESS_KEY.format(rank=rank)]):
             host, pid = store.get(PROCESS_KEY.format(rank=rank)).decode().split()
             if host == socket.gethostname() and int(pid) != os.getpid():
-                pids.append(int(pid))
+                pids[rank] = int(pid)
     return pids
+
+
+# The collectives' timeout of this process's group (``--timeout-s``), set by ``join_world`` when the group forms:
+# the sentences that name a stopped rank quote it.
+group_timeout_s: float | None = None
+
+
+def note_ended(error: BaseException) -> None:
+    """Inside a worker whose run ends without finishing: say how in the process group's store (interrupted, or the
+    error's first line), so that a rank the launcher then stops can tell this rank's error from a death without a
+    word (``name_lost_ranks``)."""
+    import torch.distributed as dist
+
+    store = _store()
+    if store is None:
+        return
+    from my_utils.run.redaction import redact_secrets
+
+    text = str(error).strip()
+    first_line = text.splitlines()[0][:300] if text else ""
+    ended = ("interrupted" if isinstance(error, KeyboardInterrupt)
+             else redact_secrets(f"{type(error).__name__}: {first_line}".rstrip(": ")))
+    try:
+        store.set(ENDED_KEY.format(rank=dist.get_rank()), ended)
+    except Exception:  # the store's host is gone: nobody is left to tell
+        pass
+
+
+def _fates(store, ranks: list[int]) -> dict[int, str]:
+    """What became of each of ``ranks``, as far as this machine can tell: the error it noted (``note_ended``),
+    "interrupted", its process gone without a word, or alive but silent (hung or stopped)."""
+    fates, pids = {}, _processes_here(store, ranks)
+    for rank in ranks:
+        if store.check([ENDED_KEY.format(rank=rank)]):
+            noted = store.get(ENDED_KEY.format(rank=rank)).decode()
+            fates[rank] = noted if noted == "interrupted" else f"it failed with {noted}"
+        elif rank in pids and not _exists(pids[rank]):
+            fates[rank] = "its process ended without a word: killed by a signal, or exited at once"
+        elif rank in pids:
+            fates[rank] = "its process is alive but did not answer: hung or stopped"
+    return fates
 
 
 def _looks_like_a_failed_collective(error: BaseException) -> bool:
@@ -165,23 +212,51 @@ def _looks_like_a_failed_collective(error: BaseException) -> bool:
     return bool(re.search(r"[Gg]loo|NCCL|[Tt]imed? ?out|[Cc]onnection (reset|closed|refused)|by peer", str(error)))
 
 
-def name_stopped_ranks(error: BaseException, world_size: int, timeout_s: float, step: int | None = None,
-                       grace_s: float = 3.0) -> RankFailure | None:
-    """When ``error`` is a failed or timed-out collective: a RankFailure naming the rank(s) that stopped.
+def _who(stopped: list[int], fates: dict[int, str]) -> str:
+    """"rank 1 stopped (its process ended ...)", "ranks 1, 3 stopped (rank 1: ...; rank 3: ...)"."""
+    if not stopped:
+        return "a rank stopped (which one could not be told)"
+    who = f"rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} stopped"
+    known = [(r, fates[r]) for r in stopped if r in fates]
+    if len(stopped) == 1 and known:
+        return f"{who} ({known[0][1]})"
+    return f"{who} ({'; '.join(f'rank {r}: {fate}' for r, fate in known)})" if known else who
+
+
+# The newest step this process finished (``step_done``; None before its first): a failure names it.
+last_step: int | None = None
+
+
+def step_done(step: int, rank: int) -> None:
+    """Every workflow calls it at the end of each optimizer step: the step a failure then names, and the tests'
+    COURSE_CRASH_* faults (nothing in a normal run)."""
+    global last_step
+    last_step = step
+    inject_fault(step, rank)
+
+
+def _where() -> str:
+    return "" if last_step is None else f" after step {last_step}"
+
+
+def name_stopped_ranks(error: BaseException, grace_s: float = 3.0) -> RankFailure | None:
+    """When ``error`` is a failed or timed-out collective: a RankFailure naming the rank(s) that stopped, what
+    became of each (``_fates``), and the last step this rank finished.
 
     Every rank that is still alive reaches this point through the same failed collective and says so in the
     process group's store; the ranks that have not said so within ``grace_s`` seconds are the ones that died,
     hung, or failed with an error of their own. Returns None for any other error, and ``error`` itself when it is
     already such a RankFailure (named where it was raised)."""
-    if isinstance(error, RankFailure):
-        return error
-    if world_size < 2 or not _looks_like_a_failed_collective(error):
-        return None
     import torch.distributed as dist
 
+    if isinstance(error, RankFailure):
+        return error
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world_size < 2 or not _looks_like_a_failed_collective(error):
+        return None
     store = _store()
     here = dist.get_rank()
-    stopped, processes = None, []
+    stopped, fates, processes = [], {}, []
     if store is not None:
         try:
             store.set(FAILED_KEY.format(rank=here), "1")
@@ -191,18 +266,37 @@ def name_stopped_ranks(error: BaseException, world_size: int, timeout_s: float, 
                 if not stopped or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
-            processes = _processes_here(store, stopped)
+            fates, processes = _fates(store, stopped), list(_processes_here(store, stopped).values())
         except Exception:  # the store went with the process that hosted it: nothing more to learn
-            stopped = None
-    where = f" after step {step}" if step is not None else ""
-    if stopped:
-        who = f"rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} stopped"
-    else:
-        who = "a rank stopped (which one could not be told)"
+            stopped = []
     text = str(error).strip()
     first_line = text.splitlines()[0][:300] if text else type(error).__name__
-    return RankFailure(f"{who}: rank {here} waited for it in a collective{where} that failed or timed out "
-                       f"(--timeout-s {timeout_s:g}): {first_line}", stopped or [], processes)
+    timeout = f" (--timeout-s {group_timeout_s:g})" if group_timeout_s else ""
+    return RankFailure(f"{_who(stopped, fates)}: rank {here} waited for it in a collective{_where()} that failed "
+                       f"or timed out{timeout}: {first_line}", stopped, processes)
+
+
+def name_lost_ranks(interrupt: KeyboardInterrupt) -> RankFailure | None:
+    """When the launcher stopped this rank (``interrupt`` is a SIGTERM) because another rank had ended first (it
+    failed, or its process is gone without a word: SIGKILL, the out-of-memory killer, ``os._exit``): a RankFailure
+    naming that rank, and what became of it. None when no other rank ended so (a stop asked by hand or by a
+    scheduler reaches every rank: it stays an interruption)."""
+    import torch.distributed as dist
+
+    if str(interrupt) != "SIGTERM" or not (dist.is_available() and dist.is_initialized()):
+        return None
+    store, here = _store(), dist.get_rank()
+    if store is None or dist.get_world_size() < 2:
+        return None
+    try:
+        fates = _fates(store, [r for r in range(dist.get_world_size()) if r != here])
+    except Exception:  # the launcher's store is gone already
+        return None
+    lost = sorted(r for r, fate in fates.items() if fate != "interrupted" and not fate.startswith("its process is"))
+    if not lost:
+        return None
+    return RankFailure(f"{_who(lost, fates)}{_where()}, and the launcher then stopped rank {here} (SIGTERM); its "
+                       "report below gives the exit code or signal", lost)
 
 
 # ---------------------------------------------------------------------------------------------- Trainer parts
@@ -284,6 +378,24 @@ def fault_settings() -> dict:
     }
 
 
+def inject_fault(step: int, rank: int) -> None:
+    """The fault the COURSE_CRASH_* variables ask for, if ``step`` is theirs (0: set-up, else the end of that optimizer
+    step) and ``rank`` is theirs; nothing otherwise. Every workflow calls it at the end of each step; ``join_world``
+    at set-up."""
+    faults = fault_settings()
+    if step != faults["step"] or faults["process"] not in (None, rank):
+        return
+    where = f"{'during set-up' if step == 0 else f'at step {step}'} on rank {rank} ({CRASH_AT_STEP})"
+    print(f"fault injection: {faults['mode']} {where}", file=sys.stderr, flush=True)
+    if faults["mode"] == "exit":
+        os._exit(1)
+    if faults["mode"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if faults["mode"] == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    raise RuntimeError(f"injected crash {where}")
+
+
 def reliability_callbacks(world_size: int = 1) -> dict:
     """The Trainer callbacks that make a run survivable, by name:
 
@@ -293,7 +405,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
       after ``trainer.train()`` returns);
     - ``finite``: a loss or gradient that is not finite stops every rank before that step's optimizer update
       (``my_utils.run.divergence``);
-    - ``faults``: the fault-injection hooks when a COURSE_* variable asks for one, else absent.
+    - ``faults``: ``step_done`` at every step's end (the step a failure names; the COURSE_* faults, if asked).
     """
     import torch
     from accelerate import PartialState
@@ -358,7 +470,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
             if Sigterm.requested and not self.stopped:  # it came after the last step: no step left to stop at
                 raise KeyboardInterrupt(Sigterm.name)
 
-    class InjectFaults(TrainerCallback):
+    class StepDone(TrainerCallback):
         def on_train_begin(self, args, trainer_state, control, model=None, **kwargs):
             # a training forward of more than COURSE_FAKE_OOM_ABOVE rows raises as a GPU out of memory would
             if faults["oom_above"] and not getattr(model, "_fake_oom", False):
@@ -368,15 +480,7 @@ def reliability_callbacks(world_size: int = 1) -> dict:
         def on_step_end(self, args, trainer_state, control, **kwargs):
             if faults["delay"]:
                 time.sleep(faults["delay"])
-            if trainer_state.global_step != faults["step"] or faults["process"] not in (None, state.process_index):
-                return
-            where = f"at step {faults['step']} on rank {state.process_index} ({CRASH_AT_STEP})"
-            print(f"fault injection: {faults['mode']} {where}", file=sys.stderr, flush=True)
-            if faults["mode"] == "exit":
-                os._exit(1)
-            if faults["mode"] == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            raise RuntimeError(f"injected crash {where}")
+            step_done(trainer_state.global_step, state.process_index)
 
     def fake_oom_hook(module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -384,7 +488,5 @@ def reliability_callbacks(world_size: int = 1) -> dict:
             raise torch.OutOfMemoryError(f"Fake out of memory. A batch of {ids.shape[0]} rows is above "
                                          f"{FAKE_OOM_ABOVE}={faults['oom_above']}.")
 
-    callbacks = {"manifest": CheckpointManifest(), "stop": StopOnSigterm(), "finite": StopNonFinite()}
-    if faults["step"] is not None or faults["delay"] or faults["oom_above"]:
-        callbacks["faults"] = InjectFaults()
-    return callbacks
+    return {"manifest": CheckpointManifest(), "stop": StopOnSigterm(), "finite": StopNonFinite(),
+            "faults": StepDone()}

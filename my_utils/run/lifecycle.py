@@ -27,12 +27,13 @@ from my_utils.core.records import lora_settings
 from my_utils.run.callbacks import gather_to_rank0
 from my_utils.run.checkpoints import file_sha256, find_resume_checkpoint, saved_step, set_aside_incomplete
 from my_utils.run.config import as_record
-from my_utils.run.faults import announce_process, name_stopped_ranks
+from my_utils.run import faults
+from my_utils.run.faults import announce_process, inject_fault, name_lost_ranks, name_stopped_ranks, note_ended
 from my_utils.run.launch import check_process_count, check_rendezvous_host, check_world_size
 from my_utils.run.locks import current_status, hold_folder, owner_alive
 from my_utils.run.redaction import hash_secrets, redact_secrets
 from my_utils.run.results import Run, check_new_run_dir, now, read_json, unique_dir
-from my_utils.run.signals import Preempted, Sigterm, on_sigterm
+from my_utils.run.signals import Preempted, Sigterm, on_sigterm, signals_held
 from my_utils.run.trackers import open_trackers
 
 
@@ -67,7 +68,8 @@ def open_run(path: str | Path | None, default: str | Path, config: dict, **field
         except OSError as e:  # e.g. no space or no permission: every rank must hear of it, not only this one
             outcome = [None, f"Results folder {path or default} cannot be created ({e.strerror or e}); choose "
                        "another --output-dir."]
-    _agree(state, outcome)
+    with recorded(run if state.is_main_process and outcome[0] else None):  # a rank that stopped meanwhile: named
+        _agree(state, outcome)
     if outcome[1]:
         raise UserError(outcome[1])
     return (run if state.is_main_process else None), Path(outcome[0])
@@ -115,6 +117,11 @@ def check_resumable(run_dir: str | Path, config: dict, may_differ=(), *, workflo
         if key in may_differ or key not in recorded_config:
             continue
         old = recorded_config[key]
+        if _comparable(old) != _comparable(value) and key == "peft":  # not a flag: the adapter file's fields
+            changed = sorted(k for k in {*old, *value} if _comparable(old.get(k)) != _comparable(value.get(k)))
+            raise UserError(f"The run in {run_dir} was started with another adapter ("
+                            + "; ".join(f"{k} {old.get(k)!r}, not {value.get(k)!r}" for k in changed)
+                            + "); resume with the adapter file as it was, or start a new run with another --output-dir.")
         if _comparable(old) != _comparable(value):
             flag = "--" + key.replace("_", "-")
             raise UserError(f"The run in {run_dir} was started with {flag} {old!r}, not {value!r}; resume with "
@@ -193,7 +200,8 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
             outcome = [str(checkpoint), None]
         except UserError as e:
             outcome = [None, str(e)]
-    _agree(state, outcome)
+    with recorded(run if state.is_main_process and outcome[0] else None):  # a rank that stopped meanwhile: named
+        _agree(state, outcome)
     if outcome[1]:
         raise UserError(outcome[1])
     return (run if state.is_main_process else None), run_dir, Path(outcome[0])
@@ -221,12 +229,23 @@ def recorded(run: Run | None):
     try:
         yield run
     except KeyboardInterrupt as e:
-        if run is not None:
-            run.fail(f"{'preempted' if isinstance(e, Preempted) else 'interrupted'}: {e}", status="interrupted")
-        raise
+        failure = name_lost_ranks(e)  # the launcher stopped this rank because another had died: a failure, named
+        if failure is None:
+            note_ended(e)
+            if run is not None:
+                run.fail(f"{'preempted' if isinstance(e, Preempted) else 'interrupted'}: {e}", status="interrupted")
+            raise
+        _failed(run, failure)
+        raise failure from None
+    except Exception as e:
+        with signals_held(then_stop=False):  # the launcher's SIGTERM, which another rank's end brings, waits
+            failure = name_stopped_ranks(e)  # a collective that failed because a rank stopped: named, on every rank
+            _failed(run, failure or e)
+        if failure is None or failure is e:
+            raise
+        raise failure from e
     except BaseException as e:
-        if run is not None:
-            run.fail(redact_secrets(f"{type(e).__name__}: {e}"))  # an error may quote a URL or setting
+        _failed(run, e)
         raise
     finally:
         Sigterm.deferrable = False
@@ -236,12 +255,27 @@ def recorded(run: Run | None):
 
 
 
+def _failed(run: Run | None, error: BaseException) -> None:
+    """``error`` noted for the other ranks (before the launcher stops them, they can name it) and, on rank 0, the
+    run marked failed with it."""
+    note_ended(error)
+    if run is not None:
+        run.fail(redact_secrets(f"{type(error).__name__}: {error}"))  # an error may quote a URL or setting
+
+
 # ---------------------------------------------------------------------------------------------- the lifecycle
 
 
 def join_world(num_processes: int | None, timeout_s: float | None = None) -> int:
     """Inside every worker, first: the world size this process belongs to, checked against what the launch
-    asked for (the CPU trap: unsynchronised copies), and the processes on this machine against its cores."""
+    asked for (the CPU trap: unsynchronised copies), and the processes on this machine against its cores. From here
+    on a launched worker takes SIGTERM as an interruption with its one line (and, when the launcher sent it because
+    another rank died, names that rank: ``run_main``), not as a silent end."""
+    if "LOCAL_RANK" in os.environ:  # a worker process of a launcher, never a notebook's kernel
+        try:
+            signal.signal(signal.SIGTERM, on_sigterm)
+        except ValueError:  # not the main thread: keep the default
+            pass
     local_processes = os.environ.get("LOCAL_WORLD_SIZE")  # set by torchrun and accelerate launch
     if local_processes:  # before the group forms: more processes than cores may not finish forming it before the
         # first of them refuses and exits, and the others would then fail inside gloo
@@ -252,6 +286,8 @@ def join_world(num_processes: int | None, timeout_s: float | None = None) -> int
         check_process_count(world_size)
     if world_size > 1:
         announce_process()
+        faults.group_timeout_s = timeout_s
+        inject_fault(0, int(os.environ.get("RANK", "0")))  # COURSE_CRASH_AT_STEP=0: a fault during set-up
     return world_size
 
 
@@ -336,11 +372,6 @@ def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints:
             run.trackers = open_trackers(report_to, folder, folder.name)
         try:
             yield life
-        except Exception as e:  # a collective that failed because a rank stopped: the rank named, on every rank
-            failure = name_stopped_ranks(e, world_size, getattr(cfg, "timeout_s", 1800))
-            if failure is None:
-                raise
-            raise failure from e
         finally:
             for tracker in run.trackers if run is not None else ():
                 tracker.finish()

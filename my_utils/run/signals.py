@@ -54,15 +54,16 @@ def on_sigterm(signum, frame):
 
 
 @contextmanager
-def signals_held():
+def signals_held(then_stop: bool = True):
     """Run the block to its end whatever stop (SIGTERM, Ctrl-C, SIGUSR1) arrives meanwhile: one that does interrupts
-    the run once the block is over, as it would have before it."""
+    the run once the block is over, as it would have before it (or, with ``then_stop`` False, is dropped: the block
+    ends the run anyway, e.g. recording its failure while the launcher stops the ranks)."""
     Sigterm.held, Sigterm.pending = True, None
     try:
         yield
     finally:
         Sigterm.held = False
-    if Sigterm.pending:
+    if Sigterm.pending and then_stop:
         raise KeyboardInterrupt(Sigterm.pending)
 
 

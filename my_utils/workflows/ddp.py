@@ -37,6 +37,7 @@ from my_utils.core.printing import print0, rank_print
 from my_utils.run.cli import command_line
 from my_utils.run.config import LocalBatchSettings, check_choice, check_positive, setting
 from my_utils.run.divergence import check_finite
+from my_utils.run.faults import step_done
 from my_utils.run.lifecycle import join_world, run_lifecycle
 from my_utils.workflows.ddp_common import (build_model, throughput, untimed_steps, validate_common, worker_report,
                                            write_worker_report)
@@ -188,6 +189,7 @@ def train(cfg: Config) -> dict:
             losses.append(step_loss.item() / world_size)
             if step % cfg.logging_steps == 0 or step == cfg.max_steps:
                 life.log({"step": step, "loss": losses[-1], "time": time.time()})
+            step_done(step, rank)  # the step a failure names; the tests' faults
         # endregion
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)

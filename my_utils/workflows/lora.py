@@ -59,11 +59,12 @@ from my_utils.core.printing import print0
 from my_utils.run.callbacks import TokenCounter, make_callbacks
 from my_utils.run.cli import command_line, file_system_refusal
 from my_utils.run.config import LocalBatchSettings, check_choice, check_positive, setting
-from my_utils.run.faults import course_trainer_class, name_stopped_ranks, reliability_callbacks
+from my_utils.run.faults import course_trainer_class, reliability_callbacks
 from my_utils.run.launch import OUTPUT_LOGGED, check_process_count, is_cpu_only
 from my_utils.run.lifecycle import (check_resumable, join_world, process_group_backend, resume_after_restart,
                                     run_lifecycle)
 from my_utils.run.signals import Preempted, Sigterm
+from my_utils.workflows.ddp_common import worker_report, write_worker_report
 
 METHODS = ("lora", "full")
 MIXED_PRECISION = ("auto", "no", "fp16", "bf16")
@@ -254,6 +255,7 @@ def train(cfg: Config) -> dict:
     label = method_label(cfg.method, cfg.quantize, cfg.adapter.peft if cfg.adapter is not None else None)
     default_dir = RUNS_ROOT / "lora" / f"{cfg.preset}_{label}"
     with run_lifecycle(cfg, world_size, default_dir=default_dir, checkpoints=CHECKPOINTS, workflow="lora") as life:
+        write_worker_report(life.folder, worker_report())  # workers/rank_<r>.json: the world as each rank saw it
         # region: the model on each rank
         # Each process loads the whole model on the device of its local rank: {"": "cuda:<local rank>"} on GPUs.
         # Quantized weights are placed as they load, so the map goes straight into from_pretrained.
@@ -284,7 +286,7 @@ def train(cfg: Config) -> dict:
         # The base model's losses, held out and on pretraining-style rows; a resumed run recorded them at its start.
         before_losses = {} if life.checkpoint else {key: _loss_on(model, inputs[key], tokenizer, cfg)
                                                     for key in ("eval_set", "forgetting_set")}
-        result, runtime = _fit(trainer, life.checkpoint, reliability["stop"], world_size, cfg.timeout_s)
+        result, runtime = _fit(trainer, life.checkpoint, reliability["stop"])
         measured = {
             "chunked_loss": chunked_loss, "runtime": runtime, "params": params, "learning_rate": learning_rate,
             "memory": memory_cb.report,
@@ -369,9 +371,9 @@ def _stop_if_already_trained():
     return StopIfAlreadyTrained()
 
 
-def _fit(trainer, checkpoint, stop, world_size: int, timeout_s: float):
+def _fit(trainer, checkpoint, stop):
     """``trainer.train()`` (from ``checkpoint`` when resuming; nothing left to train when it is the last step); a
-    rank that stopped is named, and a SIGTERM stop (with its checkpoint) becomes KeyboardInterrupt, a SIGUSR1 one
+    SIGTERM stop (with its checkpoint) becomes KeyboardInterrupt, a SIGUSR1 one
     Preempted. Returns the result and the seconds it took."""
     from transformers.trainer_utils import TrainOutput
 
@@ -385,11 +387,6 @@ def _fit(trainer, checkpoint, stop, world_size: int, timeout_s: float):
     except _AlreadyTrained:
         print0(f"{checkpoint.name} is the last step: evaluating and finishing the run without training further")
         return TrainOutput(trainer.state.global_step, None, {}), 0.0
-    except Exception as e:
-        failure = name_stopped_ranks(e, world_size, timeout_s, step=trainer.state.global_step)
-        if failure is None:
-            raise
-        raise failure from e
     finally:
         gc.unfreeze()
     if stop.stopped:

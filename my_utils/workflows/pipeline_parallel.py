@@ -32,6 +32,7 @@ from my_utils.core.stats import check_tolerances
 from my_utils.run.cli import command_line
 from my_utils.run.config import GlobalBatchSettings, check_choice, check_positive, setting
 from my_utils.run.divergence import check_finite
+from my_utils.run.faults import step_done
 from my_utils.run.lifecycle import join_world, process_group_backend, run_lifecycle
 
 
@@ -190,6 +191,7 @@ def train_steps(stage, schedule, optimizer, batches, device, events: list) -> tu
         step_window = (step_start, time.time())
         if stage.is_last:
             losses.append(float(torch.stack(micro_losses).detach().mean()))
+        step_done(step, dist.get_rank())  # the step a failure names; the tests' faults
     return losses, step_window, time.perf_counter() - started
 
 

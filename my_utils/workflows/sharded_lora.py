@@ -26,7 +26,7 @@ from my_utils.run.checkpoints import load_rng_state, saved_step
 from my_utils.run.cli import command_line, file_system_refusal
 from my_utils.run.config import LocalBatchSettings, check_choice, setting
 from my_utils.run.divergence import check_finite
-from my_utils.run.faults import fault_settings
+from my_utils.run.faults import step_done
 from my_utils.run.lifecycle import check_resumable, resume_after_restart, run_lifecycle
 from my_utils.workflows.ddp_common import worker_report, write_worker_report
 from my_utils.workflows.sharding import rank_batches, start_worker
@@ -180,7 +180,6 @@ def train(cfg: Config) -> dict:
         batches = rank_batches(dataset, cfg, world_size)
         for _ in range(done):  # the batches the checkpoint had already trained on
             next(batches)
-        crash_at = fault_settings()["step"]  # fault injection for the tests: COURSE_CRASH_AT_STEP
         for step in range(done + 1, cfg.max_steps + 1):
             loss = model(**next(batches)).loss
             loss.backward()
@@ -193,8 +192,7 @@ def train(cfg: Config) -> dict:
             life.log({"step": step, "loss": losses[-1]})
             if cfg.save_steps and step % cfg.save_steps == 0:
                 save_whole(model, optimizer, life.folder / CHECKPOINTS / f"checkpoint-{step}", step)
-            if step == crash_at:
-                raise RuntimeError(f"injected crash after step {step} (COURSE_CRASH_AT_STEP)")
+            step_done(step, dist.get_rank())  # the step a failure names; the tests' faults
         save_whole(model, optimizer, life.folder)
         logits = probe_logits(model, dataset)
         summary = None

@@ -39,6 +39,7 @@ from my_utils.core.printing import print0
 from my_utils.run.cli import command_line
 from my_utils.run.config import LocalBatchSettings, check_choices, setting
 from my_utils.run.divergence import check_finite
+from my_utils.run.faults import step_done
 from my_utils.run.lifecycle import join_world, run_lifecycle
 from my_utils.workflows.ddp import batches_forever
 from my_utils.workflows.ddp_common import build_model, worker_report, write_worker_report
@@ -357,6 +358,7 @@ def run_strategy(strategy: str, base, cfg: Config, dataset, world_size: int) -> 
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world_size)
+        step_done(step, dist.get_rank())  # the step a failure names; the tests' faults
     return {"strategy": strategy, "process": dist.get_rank(), "losses": losses, "memory": dict(memory),
             "communication": dict(counts), "seconds": time.perf_counter() - started}
 

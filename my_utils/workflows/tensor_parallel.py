@@ -3,6 +3,9 @@
     # a shell, 2 processes on a CPU (gloo): every process holds half of every attention and MLP matrix
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.tensor_parallel --preset tiny
     ACCELERATE_USE_CPU=1 accelerate launch --config_file configs/cpu_x2.yaml -m my_utils.workflows.tensor_parallel --preset tiny --sequence-parallel
+    # checkpoints every 4 steps (torch's distributed checkpoint: each process writes its own shards), and a resume
+    ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.tensor_parallel --preset tiny \
+        --save-steps 4 --output-dir runs/tensor_parallel/mine [--resume]
 
 The plan is Megatron-LM's (Shoeybi et al. 2019): in each decoder layer the query, key and value projections are
 split by output (column-parallel: each process computes its own attention heads) and the output projection by
@@ -37,8 +40,10 @@ from my_utils.core.stats import check_tolerances
 from my_utils.run.callbacks import SavedActivations
 from my_utils.run.cli import command_line
 from my_utils.run.config import GlobalBatchSettings, setting
+from my_utils.run.checkpoints import saved_step
 from my_utils.run.divergence import check_finite
-from my_utils.run.lifecycle import join_world, process_group_backend, run_lifecycle
+from my_utils.run.faults import step_done
+from my_utils.run.lifecycle import check_resumable, join_world, process_group_backend, resume_after_restart, run_lifecycle
 
 COLLECTIVE_NAMES = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
                     "reduce_scatter_tensor": "reduce_scatter"}  # functional collectives' names and c10d's
@@ -58,6 +63,13 @@ class Config(GlobalBatchSettings):
                                     "max_length": "tokens per sequence", "max_steps": "AdamW steps after the one-step "
                                     "check", "learning_rate": "the rate of the check's SGD step and of the AdamW steps"}
     sequence_parallel: bool = setting(False, "split the norms' work by sequence position too (Megatron-SP)")
+    save_steps: int = setting(0, "save a checkpoint (each process's shards of the model and optimizer) every N steps; "
+                                 "0: never")
+    resume: bool = setting(False, "continue --output-dir from its newest whole checkpoint, on as many processes")
+
+
+CHECKPOINTS = "checkpoints"
+RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "save_steps", "timeout_s"})  # where and how, not what it trains
 
 
 def validate(cfg: Config):
@@ -69,6 +81,16 @@ def validate(cfg: Config):
         raise UserError(f"--max-length {cfg.max_length} is beyond the model's {config.max_position_embeddings} "
                         "positions; lower it.")
     check_tensor_split(config, cfg.num_processes or get_world_size(), cfg.sequence_parallel, cfg.max_length)
+    if cfg.save_steps < 0:
+        raise UserError(f"--save-steps must be 0 (never) or positive, got {cfg.save_steps}.")
+    if cfg.resume:
+        from dataclasses import asdict
+
+        if not cfg.output_dir:
+            raise UserError("--resume continues an existing results folder; name it with --output-dir.")
+        world_size = cfg.num_processes or get_world_size()  # run.json records the settings as they were resolved
+        check_resumable(cfg.output_dir, asdict(replace(cfg, num_processes=world_size)), may_differ=RESUME_MAY_DIFFER,
+                        workflow="tensor_parallel", checkpoints=CHECKPOINTS)
     return preset, config
 
 
@@ -206,7 +228,8 @@ def split(model, mesh, sequence_parallel: bool) -> None:
 
 def one_step_check(model, mesh, batch, cfg: Config) -> dict:
     """Forward, backward and one SGD step on ``batch`` by ``model`` split over the mesh, and by an unsplit copy:
-    the differences, the collectives of each phase and the activations each keeps for backward."""
+    the differences, the collectives of each phase and the activations each keeps for backward. The split model
+    keeps the step and drops its gradients."""
     import copy
 
     import torch
@@ -228,6 +251,7 @@ def one_step_check(model, mesh, batch, cfg: Config) -> dict:
         torch.optim.SGD(model.parameters(), lr=cfg.learning_rate).step()
     with torch.no_grad():
         param_diff = max(float((whole(p) - q).abs().max()) for p, q in pairs)
+    model.zero_grad(set_to_none=True)  # training starts from no gradient, as a resumed run does
     return {"loss": loss.item(), "reference_loss": reference_loss.item(), "grad_rel_diff": grad_diff,
             "param_max_diff": param_diff,
             "collectives": {"forward": forward.counts, "backward": backward.counts, "optimizer": step.counts},
@@ -257,6 +281,7 @@ def train(cfg: Config) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    cfg = resume_after_restart(cfg)  # restarted by torchrun --max-restarts: go on from the newest checkpoint
     preset, config = validate(cfg)
     world_size = join_world(cfg.num_processes, cfg.timeout_s)
     if world_size < 2:
@@ -268,24 +293,23 @@ def train(cfg: Config) -> dict:
     batches = data.to(device).split(cfg.global_batch_size)
     mode = "tp+sp" if cfg.sequence_parallel else "tp"
     with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "tensor_parallel" / f"{cfg.preset}_{mode}",
-                       workflow="tensor_parallel") as life:
+                       checkpoints=CHECKPOINTS, workflow="tensor_parallel") as life:
         model = build_model(preset, config, cfg).to(device)
         mesh = init_device_mesh(torch.device(device).type, (world_size,))
         check = one_step_check(model, mesh, batches[0], cfg)
         rank_print(f"loss {check['loss']:.6f} (unsplit copy {check['reference_loss']:.6f}); gradients differ by "
                    f"{check['grad_rel_diff']:.1e} of their largest, parameters after the step by "
                    f"{check['param_max_diff']:.1e}")
-        losses, runtime = train_steps(model, batches[1:], cfg.learning_rate)
+        losses, runtime = train_steps(model, batches[1:], cfg, life)
         waited = collective_wait(model, batches[-1])
-        for step, loss in enumerate(losses, start=1):
-            life.log({"step": step, "loss": loss})
         reports = life.gather({"process": dist.get_rank(), "world_size_seen": dist.get_world_size(), **check,
                                "parameters": parameter_split(model, world_size), "losses": losses,
                                "collective_wait": waited,
                                "memory": {"process": dist.get_rank(), "end": snapshot(device)}})
         life.finish(summarize(cfg, mode, config, world_size, reports, runtime) if life.is_main else None)
         print0(f"{mode}: every process holds {life.summary['parameters_local'][0]:,} of "
-               f"{life.summary['total_parameters']:,} parameters; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+               f"{life.summary['total_parameters']:,} parameters; loss {life.summary['train_loss_first']:.3f} -> "
+               f"{life.summary['train_loss_final']:.3f}")
     check_tolerances(life.summary, "The split model and the unsplit model")
     return life.summary
 
@@ -305,20 +329,61 @@ def collective_wait(model, batch) -> dict:
     return {"step_s": step, "waited_s": waited, "share": waited / step}
 
 
-def train_steps(model, batches, learning_rate: float) -> tuple[list[float], float]:
-    """AdamW steps on the split model; every process sees the same batch. Returns the losses and the runtime."""
+def train_steps(model, batches, cfg: Config, life) -> tuple[list[float], float]:
+    """AdamW steps on the split model, logged one by one (from the checkpoint's step on, for a resumed run); every
+    process sees the same batch. Returns this process's losses and the runtime."""
     import torch
+    import torch.distributed as dist
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
+    done = 0
+    if life.checkpoint is not None:
+        load_checkpoint(model, optimizer, life.checkpoint)
+        done = saved_step(life.checkpoint)  # from its sealed manifest, not its folder's name
     losses, started = [], time.perf_counter()
-    for step, batch in enumerate(batches, start=1):
+    for step, batch in enumerate(batches[done:], start=done + 1):
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
-        check_finite(step, loss, model.parameters(), learning_rate)
+        check_finite(step, loss, model.parameters(), cfg.learning_rate)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        life.log({"step": step, "loss": losses[-1]})
+        if cfg.save_steps and step % cfg.save_steps == 0:
+            save_checkpoint(model, optimizer, life.folder / CHECKPOINTS / f"checkpoint-{step}", step)
+        step_done(step, dist.get_rank())  # the step a failure names; the tests' faults
     return losses, time.perf_counter() - started
+
+
+def save_checkpoint(model, optimizer, folder, step: int) -> None:
+    """The model and optimizer as torch's distributed checkpoint: each process writes its own shards (no gather),
+    then rank 0 the step and the manifest that makes the checkpoint whole. Every process must call it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from my_utils.run.checkpoints import write_checkpoint_manifest
+    from my_utils.run.results import atomic_write_json
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+    if dist.get_rank() == 0:
+        atomic_write_json(folder / "trainer_state.json", {"global_step": step})
+    dist.barrier()  # every shard written
+    if dist.get_rank() == 0:
+        write_checkpoint_manifest(folder)
+    dist.barrier()
+
+
+def load_checkpoint(model, optimizer, folder) -> None:
+    """The model and optimizer state of ``save_checkpoint``'s ``folder``, each process reading its own shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 # The largest differences from the unsplit model that count as equal: float32 rounding of the same sums split over
@@ -355,9 +420,10 @@ def summarize(cfg: Config, mode: str, config, world_size: int, reports: list, ru
                         "down_proj": [config.hidden_size, config.intermediate_size]},
         "saved_activation_bytes": [r["saved_activation_bytes"] for r in reports],
         "saved_activation_bytes_whole": first["saved_activation_bytes_whole"],
-        "train_losses": first["losses"], "train_loss_first": first["losses"][0],
-        "train_loss_final": first["losses"][-1], "runtime_s": runtime,
-        "samples_per_s": cfg.max_steps * cfg.global_batch_size / runtime,
+        # this process's steps: a resumed run's begin after its checkpoint
+        "train_losses": first["losses"], "train_loss_first": first["losses"][0] if first["losses"] else None,
+        "train_loss_final": first["losses"][-1] if first["losses"] else None, "runtime_s": runtime,
+        "samples_per_s": len(first["losses"]) * cfg.global_batch_size / runtime if first["losses"] else None,
         # one more forward and backward, profiled: the share of it each process spent waiting for collectives
         "collective_wait_share": [r["collective_wait"]["share"] for r in reports],
         "memory": [r["memory"] for r in reports],
