@@ -108,6 +108,9 @@ def test_runs_of_other_global_batches_or_steps_are_no_speedup_and_each_pair_is_l
     assert table(c, "Not a speedup").rows[0][:4] == ["x1", "1", "x2", "2"]
     said = [line for line in compare.render(c).splitlines() if "not compared" in line]
     assert len(said) == 1 and "2 pair(s)" in said[0], said
+    text = compare.render(c)  # the pairs themselves: with --verbose, and in comparison.txt
+    assert "Not a speedup\n" not in text and "not shown: Not a speedup (2 rows)" in text
+    assert "Not a speedup\n" in compare.render(c, verbose=True)
 
 
 def test_runs_that_differ_in_more_than_the_process_count_form_no_group_and_a_line_says_why(tmp_path):
@@ -142,8 +145,9 @@ def test_runs_with_other_versions_or_commit_are_marked(tmp_path):
 
 
 def test_the_reference_comparison_fits_a_terminal_and_its_plots_stay_readable(tmp_path, capsys):
-    """The committed reference folders (two benchmark runs and the series): no line over 160 characters, a few
-    notes rather than one per run, at most 12 curves a panel, and images of sane size."""
+    """The committed reference folders (the benchmarks, the series, the GPU check) read as a report: under 150 lines,
+    none over 120 characters, a few notes rather than one per run, the long tables named in one line (whole with
+    --verbose and in comparison.txt), at most 12 curves a panel, and images of sane size."""
     import struct
 
     from my_utils.core.plots import LEGEND_ENTRIES, loss_panels
@@ -152,7 +156,13 @@ def test_the_reference_comparison_fits_a_terminal_and_its_plots_stay_readable(tm
     folders = sorted((REPO_ROOT / "runs" / "reference").iterdir())
     compare.main([*map(str, folders), "--output-dir", str(tmp_path / "out")])
     lines = capsys.readouterr().out.splitlines()
-    assert max(map(len, lines)) <= compare.TERMINAL_WIDTH, max(lines, key=len)
+    assert compare.TERMINAL_WIDTH == 120 and max(map(len, lines)) <= 120, max(lines, key=len)
+    assert len(lines) < 150 and "Speedup" in lines and "Runs" not in lines
+    assert any(line.startswith("not shown: Runs (") for line in lines)
+    assert (tmp_path / "out" / "comparison.txt").read_text(encoding="utf-8").startswith("Runs\n")
+    compare.main([*map(str, folders), "--verbose"])
+    verbose = capsys.readouterr().out.splitlines()
+    assert "Runs" in verbose and "Left out" in verbose and len(verbose) > 500
     assert sum(line.startswith(("not compared", compare.COMMIT_MARK, compare.VERSIONS_MARK)) for line in lines) < 10
     assert sum(line.startswith("not compared") for line in lines) == 1
     c = compare.compare(*folders)
@@ -254,7 +264,7 @@ def test_a_resumed_run_says_which_steps_its_runtime_timed(results):
     (results / "lora_x2" / "summary.json").write_text(json.dumps({**summary, "resumed_from_step": 2}))
     runs = table(compare.compare(results), "Runs")
     row = next(r for r in runs.rows if r[0] == "lora_x2")
-    assert row[runs.header.index("steps")] == "3 (timed from 2)"
+    assert row[runs.header.index("steps")] == "3 (from 2)"
 
 
 def test_no_results_folder_is_one_sentence(tmp_path):

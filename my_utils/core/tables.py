@@ -6,17 +6,18 @@
 
 from __future__ import annotations
 
-TERMINAL_WIDTH = 160  # the text tables fit it: the run column is shortened in the middle when they would not
+TERMINAL_WIDTH = 120  # the text tables fit it: their widest columns are shortened in the middle when they would not
+NARROWEST = 12  # a column is never shortened below this (a number, a size, a short name fit whole)
 
 
 def text_table(header: list[str], rows: list[list[str]], width: int = TERMINAL_WIDTH) -> str:
-    """Aligned columns, at most ``width`` characters a line: a first column (the run) too long for that is
-    shortened in the middle, keeping both ends of each name."""
+    """Aligned columns, at most ``width`` characters a line: while the table is too wide, its widest column (a
+    run's name, a group's) loses a character, down to ``NARROWEST``; a shortened cell keeps both of its ends."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    room = width - (sum(widths[1:]) + 2 * (len(widths) - 1))
-    if widths[0] > room:
-        widths[0] = max(room, len(header[0]), 12)
-        rows = [[_shorten(r[0], widths[0]), *r[1:]] for r in rows]
+    while sum(widths) + 2 * (len(widths) - 1) > width and max(widths) > NARROWEST:
+        widths[widths.index(max(widths))] -= 1
+    header = [_shorten(h, w) for h, w in zip(header, widths)]
+    rows = [[_shorten(c, w) for c, w in zip(r, widths)] for r in rows]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 

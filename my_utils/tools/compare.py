@@ -44,6 +44,8 @@ NOT_EXPERIMENT_KEYS = frozenset({"num_processes", "local_batch_size", "global_ba
 # A summary with none of these is not a training run (e.g. the demo's own record of notebook timings).
 TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_bytes")
 FOLDED_ROWS = 20  # markdown tables longer than this are folded (<details>)
+TEXT_ROWS = 40  # terminal tables longer than this are named in one line and printed with --verbose
+DETAIL_TABLES = ("Not a speedup",)  # counted in the "not compared" line; printed with --verbose
 VERSIONS_MARK = "†"
 COMMIT_MARK = "‡"
 SHARED_MARK = "§"
@@ -299,6 +301,16 @@ def _num(value, fmt: str = "{:.3g}") -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _count(n) -> str:
+    """A parameter count in three figures: 2.05M, 1.1B (``-`` for none)."""
+    if not isinstance(n, (int, float)):
+        return "-"
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
 def _arrow(before, after, fmt: str = "{:.3f}") -> str:
     if before is None and after is None:
         return "-"
@@ -319,13 +331,14 @@ def runs_table(runs, name) -> Table:
         steps = s.get("steps") if isinstance(s.get("steps"), int) else None  # a benchmark may keep a table there
         resumed = s.get("resumed_from_step")  # its runtime and rates are those of the steps after it
         rows.append([name(r), str(s.get("workflow") or "-").rsplit(".", 1)[-1], str(label_of(r["run"], s) or "-"),
-                     str(world_size(r)), _num(steps, "{}") + (f" (timed from {resumed})" if resumed else ""),
+                     str(world_size(r)), _num(steps, "{}") + (f" (from {resumed})" if resumed else ""),
                      _num(s.get("runtime_s"), "{:.1f} s"),
                      _num(s.get("samples_per_s"), "{:.1f}"), _num(s.get("tokens_per_s"), "{:,.0f}"),
                      format_bytes(s.get("peak_memory_bytes")), _num(s.get("trainable_params"), "{:,}"),
-                     _num(s.get("total_params"), "{:,}")])
+                     _count(s.get("total_params"))])
     return Table("Runs", ["run", "workflow", "method", "procs", "steps", "runtime", "samples/s", "tokens/s",
-                          "peak/device", "trainable", "params"], rows)
+                          "peak/device", "trainable", "params"], rows,
+                 "steps (from k): a resumed run, whose runtime and rates are those of its steps after k")
 
 
 def speedup_table(groups, name) -> Table:
@@ -335,12 +348,10 @@ def speedup_table(groups, name) -> Table:
             s, n = r["summary"], world_size(r)
             speedup = s["samples_per_s"] / base if base else None
             rows.append([group, name(r), str(n), _num(global_batch(r), "{}"), f"{s['samples_per_s']:.1f}",
-                         _num(s.get("tokens_per_s"), "{:,.0f}"), _num(speedup, "{:.2f}x"), f"{n}x",
-                         _num(speedup / n if speedup else None, "{:.0%}")])
-    return Table("Speedup", ["group", "run", "procs", "global batch", "samples/s", "tokens/s", "speedup", "ideal",
-                             "efficiency"], rows,
+                         _num(speedup, "{:.2f}x"), _num(speedup / n if speedup else None, "{:.0%}")])
+    return Table("Speedup", ["group", "run", "procs", "global batch", "samples/s", "speedup", "efficiency"], rows,
                  "the runs of a group differ only in how the global batch is split; speedup = samples/s / samples/s "
-                 "of the group's 1-process run; efficiency = speedup / ideal")
+                 "of the group's 1-process run; efficiency = speedup / procs, the ideal speedup")
 
 
 def unpaired_table(pairs, name) -> Table:
@@ -367,11 +378,11 @@ def memory_table(runs, name) -> Table:
                          format_bytes(peak_bytes(first)) if first else "-", format_bytes(end.get("peak_reserved")),
                          *(format_bytes(parts.get(k)) for k in ("weights", "gradients", "optimizer_states",
                                                                 "saved_activations"))])
-    return Table("Memory per device", ["run", "procs", "process", "device", "measure", "peak", "after step 1",
-                                       "peak reserved", "weights", "gradients", "optimizer", "saved activations"],
+    return Table("Memory per device", ["run", "procs", "rank", "device", "measure", "peak", "step 1",
+                                       "reserved", "weights", "gradients", "optimizer", "activations"],
                  rows, "CUDA: peak allocated by tensors; CPU: peak resident memory of the process (includes Python "
-                 "and torch); the parts are measured from the tensors (saved activations: what autograd kept for "
-                 "backward in the first step)")
+                 "and torch); step 1: the peak after the first step; reserved: CUDA's peak reserved; the parts are "
+                 "measured from the tensors (activations: what autograd kept for backward in the first step)")
 
 
 def batch_table(runs, name) -> Table:
@@ -429,11 +440,16 @@ def compare(*paths, root: Path | str | None = None) -> Comparison:
 # ---------------------------------------------------------------------------------------------- rendering
 
 
-def render(comparison: Comparison, markdown: bool = False, images: dict[str, str] | None = None) -> str:
-    """The comparison as text (terminal) or markdown (README), with ``images`` (title -> file) in markdown."""
-    parts = []
+def render(comparison: Comparison, markdown: bool = False, images: dict[str, str] | None = None,
+           verbose: bool = False) -> str:
+    """The comparison as text (terminal) or markdown (README), with ``images`` (title -> file) in markdown. As text
+    and not ``verbose``, a report: the detail tables (``DETAIL_TABLES``) and those longer than ``TEXT_ROWS`` rows
+    are named in one line instead (comparison.txt has them all)."""
+    parts, folded = [], []
     for t in comparison.tables:
-        if markdown:
+        if not markdown and not verbose and (t.title in DETAIL_TABLES or len(t.rows) > TEXT_ROWS):
+            folded.append(f"{t.title} ({len(t.rows)} rows)")
+        elif markdown:
             table = markdown_table(t.header, t.rows) + (f"\n\n{t.caption}" if t.caption else "")
             if len(t.rows) > FOLDED_ROWS:  # a page stays readable: a long table opens on a click
                 table = f"<details><summary>{len(t.rows)} rows</summary>\n\n{table}\n\n</details>"
@@ -445,6 +461,9 @@ def render(comparison: Comparison, markdown: bool = False, images: dict[str, str
         parts.append("\n".join(f"![{title}]({file})" if markdown else f"{title}: {file}"
                                 for title, file in images.items()))
     lines = comparison.notes + ([left_out_line(comparison)] if comparison.left_out or comparison.unpaired else [])
+    if folded:
+        lines.append(f"not shown: {', '.join(folded)}; --verbose prints them, and --output-dir writes them to "
+                     "comparison.txt")
     if lines:
         parts.append("\n".join(textwrap.fill(x, TERMINAL_WIDTH, initial_indent="- ", subsequent_indent="  ",
                                              break_on_hyphens=False) for x in lines) if markdown else "\n".join(
@@ -492,7 +511,7 @@ def write_outputs(comparison: Comparison, out: Path | str) -> dict[str, Path]:
             atomic_write_json(files["peft"] / f"{comparison.labels[r['path']].replace('/', '--')}.json",
                               peft_results(r["path"]))
     atomic_write_text(out / "comparison.md", render(comparison, markdown=True, images=images) + "\n")
-    atomic_write_text(out / "comparison.txt", render(comparison, images=images) + "\n")
+    atomic_write_text(out / "comparison.txt", render(comparison, images=images, verbose=True) + "\n")
     return {**files, "markdown": out / "comparison.md", "text": out / "comparison.txt"}
 
 
@@ -517,6 +536,8 @@ def main(argv=None) -> None:
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="+", help="results folders, or folders that contain them")
     p.add_argument("--markdown", action="store_true", help="print markdown tables (for the README)")
+    p.add_argument("--verbose", action="store_true", help=f"print every table whole (tables over {TEXT_ROWS} rows, "
+                   "and the pairs that are not a speedup, are otherwise named in one line)")
     p.add_argument("--output-dir", dest="out", help="folder to write comparison.md, comparison.txt and the PNG plots into")
     args = p.parse_args(argv)
     missing = [x for x in args.paths if not Path(x).exists()]
@@ -534,4 +555,4 @@ def main(argv=None) -> None:
         return
     files = write_outputs(comparison, check_comparison_dir(args.out)) if args.out is not None else {}
     images = {t: str(f) for t, f in files.items() if f.suffix == ".png"}
-    print(render(comparison, markdown=args.markdown, images=images))
+    print(render(comparison, markdown=args.markdown, images=images, verbose=args.verbose))
