@@ -104,13 +104,19 @@ def test_an_existing_results_folder_is_refused_before_anything_loads(tmp_path, c
 
 def test_resume_without_a_checkpoint_stops_and_leaves_the_folder_as_it_was(tmp_path, capsys):
     run = Run.create(tmp_path / "crashed", config={"preset": "tiny"}, world_size=1)
+    run.log_metrics({"step": 1, "loss": 2.0})
     run.fail("RuntimeError: before the first checkpoint")
-    before = {p.name: p.read_bytes() for p in run.path.iterdir()}
-    proc = cli(["--resume", "--output-dir", run.path], capsys)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "There is no checkpoint in" in proc.stderr and "rerun without --resume" in proc.stderr
-    assert_one_sentence(proc.stderr.strip().splitlines()[-1])
-    assert {p.name: p.read_bytes() for p in run.path.iterdir()} == before  # never restarted from scratch
+    early = Run.create(tmp_path / "early", config={"preset": "tiny"}, world_size=1)
+    early.fail("interrupted: Ctrl-C", status="interrupted")
+    for path, said in [(run.path, "There is no checkpoint in .* rerun without --resume"),
+                       (early.path, "stopped before its first step, so there is nothing to resume; the same command "
+                                    "without --resume starts it again")]:
+        before = {p.name: p.read_bytes() for p in path.iterdir()}
+        proc = cli(["--resume", "--output-dir", path], capsys)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert re.search(said, proc.stderr), proc.stderr
+        assert_one_sentence(proc.stderr.strip().splitlines()[-1])
+        assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # never restarted from scratch
 
 
 # ------------------------------------------------------------------------------------------ Python API

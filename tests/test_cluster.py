@@ -289,7 +289,8 @@ RANK_0_TWICE = """1: node n2: machine rank 0 of 2, rendezvous 10.0.0.1:20004
 1: torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address.
 0: torch.distributed.DistStoreError: Timed out after 16 seconds waiting for clients. 1/2 clients joined.
 """
-STOPPED = "0: lora: error: rank 1 stopped: rank 0 waited for it in a collective after step 2 that failed\n"
+STOPPED = ("0: lora: error: rank 1 stopped (its process is alive but did not answer: hung or stopped): rank 0 waited for "
+           "it in a collective after step 2 that failed\n")
 REFUSED = ("1: lora: error: Rank 1 on n2: the rendezvous host localhost is a loopback address, but this launch spans 2 "
            "machines\n")
 
@@ -300,7 +301,8 @@ REFUSED = ("1: lora: error: Rank 1 on n2: the rendezvous host localhost is a loo
     (RANK_0_TWICE, "Nodes n1 and n2 each took machine rank 0: n1 waited 16 s at 10.0.0.1:20004 for the 1 machine(s) "
                    "that never came, as the others could not host the same rendezvous (machine rank expanded once, in "
                    "the batch shell, not in each node's task)."),
-    (STOPPED, "rank 1 stopped: rank 0 waited for it in a collective after step 2 that failed"),
+    (STOPPED, "rank 1 stopped (its process is alive but did not answer: hung or stopped): rank 0 waited for it in a "
+              "collective after step 2 that failed"),
     (REFUSED, "Rank 1 on n2: the rendezvous host localhost is a loopback address, but this launch spans 2 machines"),
     ("0: node n1: machine rank 0 of 2, rendezvous 10.0.0.1:1\n0: all done\n", None),
 ])

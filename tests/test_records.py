@@ -95,7 +95,7 @@ def test_compare_shows_each_method_by_its_label(tmp_path):
     method = runs_table.header.index("method")
     assert sorted(row[method] for row in runs_table.rows) == ["dora", "qlora-4bit"]
     memory = next(t for t in c.tables if t.title == "Memory per device")
-    assert {row[memory.header.index("process")] for row in memory.rows} == {"0"}
+    assert {row[memory.header.index("rank")] for row in memory.rows} == {"0"}
 
 
 def test_the_batch_reads_the_same_from_old_and_new_records():

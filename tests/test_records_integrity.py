@@ -54,6 +54,32 @@ def test_an_adapter_file_edited_since_the_run_started_is_refused_by_its_fields_o
     assert "--peft" not in str(e.value)  # not a flag anyone could type
 
 
+def test_a_folder_whose_run_stopped_before_its_first_step_is_reused_and_never_resumed(tmp_path, capsys):
+    from my_utils.run.results import check_new_run_dir, stopped_before_a_step
+
+    folder = tmp_path / "r"
+    results.Run.create(folder, config={}).fail("interrupted: Ctrl-C", status="interrupted")
+    (folder / "workers").mkdir()
+    assert stopped_before_a_step(folder) and check_new_run_dir(folder) == folder
+    with pytest.raises(UserError, match=r"stopped before its first step, so there is nothing to resume; the same "
+                                        "command without --resume starts it again in that folder"):
+        check_resumable(folder, {}, checkpoints="checkpoints")
+    results.Run.create(folder, config={"new": True})
+    assert "reusing" in capsys.readouterr().err and json.loads((folder / "run.json").read_text())["config"] == {
+        "new": True}
+    assert not stopped_before_a_step(folder)  # running, alive: never taken
+    with pytest.raises(UserError, match="already exists and is never overwritten"):
+        check_new_run_dir(folder)
+    # a run that logged a step, or wrote anything else, keeps its folder
+    for extra in ("metrics.jsonl", "notes.txt"):
+        other = tmp_path / extra
+        results.Run.create(other, config={}).fail("boom")
+        (other / extra).write_text('{"step": 1, "loss": 2.0}\n')
+        assert not stopped_before_a_step(other)
+        with pytest.raises(UserError, match="already exists"):
+            check_new_run_dir(other)
+
+
 @dataclass
 class DataConfig:
     output_dir: str

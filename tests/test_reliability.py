@@ -373,6 +373,27 @@ def test_ctrl_c_stops_as_sigterm_does_with_a_checkpoint_the_reason_and_the_resum
 
 
 @pytest.mark.slow
+def test_ctrl_c_before_the_first_step_says_how_to_start_again_in_the_same_folder(tmp_path):
+    out = tmp_path / "early"
+    cmd = [sys.executable, "-m", "my_utils.workflows.lora", *map(str, ARGS), "--eval-rows", "64", "--output-dir",
+           str(out)]
+    proc = subprocess.Popen(cmd, env=env_for(tmp_path), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "run.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)  # the folder exists; the generation evaluation before training is under way
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, output[-3000:]
+    said = f"lora: interrupted (Ctrl-C before the first step; run it again with --output-dir {out}, which reuses"
+    assert said in output and "Traceback" not in output, output[-3000:]
+    assert run_info(out)["status"] == "interrupted" and not (out / "checkpoints").exists()
+    again = lora([*ARGS, "--skip-generation-eval", "--output-dir", out], env_for(tmp_path))
+    assert again.returncode == 0 and f"reusing {out}: its run stopped before its first step" in again.stderr, tail(again)
+    assert run_info(out)["status"] == "complete"
+
+
+@pytest.mark.slow
 def test_auto_batch_size_backs_off_on_out_of_memory(tmp_path):
     # Batches above 5 rows raise torch.OutOfMemoryError: 8 -> 7 -> 6 -> 5 (accelerate takes 90% each time).
     # That other errors go straight through is checked by the 1-process crash above.

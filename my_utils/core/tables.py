@@ -6,16 +6,18 @@
 
 from __future__ import annotations
 
-TERMINAL_WIDTH = 120  # the text tables fit it: their widest columns are shortened in the middle when they would not
-NARROWEST = 12  # a column is never shortened below this (a number, a size, a short name fit whole)
+TERMINAL_WIDTH = 120  # the text tables fit it: their name columns are shortened in the middle when they would not
+NARROWEST = 12  # a column is never shortened below this
 
 
-def text_table(header: list[str], rows: list[list[str]], width: int = TERMINAL_WIDTH) -> str:
-    """Aligned columns, at most ``width`` characters a line: while the table is too wide, its widest column (a
-    run's name, a group's) loses a character, down to ``NARROWEST``; a shortened cell keeps both of its ends."""
+def text_table(header: list[str], rows: list[list[str]], width: int = TERMINAL_WIDTH, names=(0,)) -> str:
+    """Aligned columns, at most ``width`` characters a line where shortening the ``names`` columns (a run's name, a
+    group's; the first by default) can make it so: while the table is too wide, the widest of them loses a
+    character, down to ``NARROWEST``. A shortened cell keeps both of its ends; the other columns stay whole."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    while sum(widths) + 2 * (len(widths) - 1) > width and max(widths) > NARROWEST:
-        widths[widths.index(max(widths))] -= 1
+    while sum(widths) + 2 * (len(widths) - 1) > width and max(widths[i] for i in names) > NARROWEST:
+        widest = max(names, key=lambda i: widths[i])
+        widths[widest] -= 1
     header = [_shorten(h, w) for h, w in zip(header, widths)]
     rows = [[_shorten(c, w) for c, w in zip(r, widths)] for r in rows]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731

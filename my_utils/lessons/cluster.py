@@ -171,7 +171,7 @@ def explain(text: str) -> str | None:
     """One sentence for what went wrong in a multi-node job's output (srun --label's, or one node's): which node or
     rank waited, for what. None when it shows none of the failures the course knows."""
     for line in text.splitlines():  # the course's own sentences: a refused rendezvous host, a rank that stopped
-        found = re.search(r"\w+: error: (Rank \d+ on \w+: the rendezvous host .*|ranks? [\d, ]+ stopped: .*)", line)
+        found = re.search(r"\w+: error: (Rank \d+ on \w+: the rendezvous host .*|ranks? [\d, ]+ stopped\b.*)", line)
         if found:
             return found.group(1)
     nodes = re.findall(r"^(?:(\d+): )?node (\w+): machine rank (\d+) of (\d+), rendezvous (\S+)", text, re.MULTILINE)

@@ -32,7 +32,7 @@ from my_utils.run.faults import announce_process, inject_fault, name_lost_ranks,
 from my_utils.run.launch import check_process_count, check_rendezvous_host, check_world_size
 from my_utils.run.locks import current_status, hold_folder, owner_alive
 from my_utils.run.redaction import hash_secrets, redact_secrets
-from my_utils.run.results import Run, check_new_run_dir, now, read_json, unique_dir
+from my_utils.run.results import Run, check_new_run_dir, now, read_json, stopped_before_a_step, unique_dir
 from my_utils.run.signals import Preempted, Sigterm, on_sigterm, signals_held
 from my_utils.run.trackers import open_trackers
 
@@ -130,6 +130,9 @@ def check_resumable(run_dir: str | Path, config: dict, may_differ=(), *, workflo
     if recorded_data and data_file and Path(data_file).is_file() and data_fingerprint(data_file) != recorded_data:
         raise UserError(f"The data file {redact_secrets(data_file)} changed since the run started (size/hash); "
                         "restore it or start a new run with another --output-dir.")
+    if checkpoints and stopped_before_a_step(run_dir):
+        raise UserError(f"The run in {run_dir} stopped before its first step, so there is nothing to resume; the same "
+                        "command without --resume starts it again in that folder.")
     if checkpoints:
         find_resume_checkpoint(run_dir / checkpoints)  # one sentence now if there is none of its own
     return info
@@ -356,6 +359,7 @@ def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints:
     accelerate itself passes ``()``).
     """
     threads = set_threads()
+    faults.last_step = None  # this run's steps (a notebook's kernel may have trained another before)
     report_to = getattr(cfg, "report_to", ()) if report_to is None else report_to
     checkpoint = None
     if getattr(cfg, "resume", False):
@@ -372,6 +376,12 @@ def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints:
             run.trackers = open_trackers(report_to, folder, folder.name)
         try:
             yield life
+        except KeyboardInterrupt as e:
+            if faults.last_step is not None or life.checkpoint is not None or isinstance(e, Preempted):
+                raise
+            # nothing to resume, nothing lost: say how to start again, in the same folder
+            raise KeyboardInterrupt(f"{e} before the first step; run it again with --output-dir {folder}, which "
+                                    "reuses that folder") from None
         finally:
             for tracker in run.trackers if run is not None else ():
                 tracker.finish()

@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -97,8 +98,9 @@ def library_versions() -> dict:
 
 def check_new_run_dir(path: str | Path) -> Path:
     """Preflight, before anything starts: ``path`` can become a new results folder. It is named (not empty), does
-    not exist (a results folder is never overwritten), is not inside another results folder (whose files it would
-    mix with, or which may still be running), and can be created. Returns it as a Path."""
+    not exist (a results folder is never overwritten) or holds a run that stopped before its first step
+    (``stopped_before_a_step``: it is reused), is not inside another results folder (whose files it would mix with,
+    or which may still be running), and can be created. Returns it as a Path."""
     if not str(path).strip():
         raise UserError("--output-dir is empty; name a new folder, or leave the option out for one under runs/.")
     path = Path(path)
@@ -106,7 +108,7 @@ def check_new_run_dir(path: str | Path) -> Path:
     if too_long is not None:
         raise UserError(f"Results folder name {too_long[:40]}... is {len(too_long.encode())} bytes long, over the 255 "
                         "a file system allows; choose a shorter --output-dir.")
-    if path.exists():
+    if path.exists() and not stopped_before_a_step(path):
         raise UserError(
             f"Results folder {path} already exists and is never overwritten; choose another --output-dir or delete it."
         )
@@ -121,6 +123,25 @@ def check_new_run_dir(path: str | Path) -> Path:
         raise UserError(f"Results folder {path} cannot be created because {parent} is not writable; choose "
                         "another --output-dir.")
     return path
+
+
+# What a run writes before its first step: a folder holding only these has nothing to lose.
+BEFORE_A_STEP = frozenset({"run.json", "metrics.jsonl", "workers"})
+
+
+def stopped_before_a_step(folder: str | Path) -> bool:
+    """Whether ``folder`` is a results folder whose run ended (interrupted, failed, or its process gone) before it
+    finished a step: no summary, no metrics line, nothing but what a run writes as it starts (``BEFORE_A_STEP``).
+    Such a folder holds nothing to resume or compare, and a new run may take it (``Run.create``)."""
+    folder = Path(folder)
+    try:
+        info = read_json(folder / "run.json")
+        names = {p.name for p in folder.iterdir()}
+        metrics = (folder / "metrics.jsonl").read_text(encoding="utf-8") if "metrics.jsonl" in names else ""
+    except (OSError, ValueError):
+        return False
+    return (isinstance(info, dict) and current_status(info, folder) in ("interrupted", "failed", "crashed")
+            and names <= BEFORE_A_STEP and not metrics.strip())
 
 
 def check_outside_runs(path: str | Path) -> None:
@@ -233,6 +254,9 @@ class Run:
         """Create the folder (it must not exist) and write run.json with status 'running'."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        if stopped_before_a_step(path):  # a run that never finished a step: nothing of it is lost
+            print(f"reusing {path}: its run stopped before its first step", file=sys.stderr, flush=True)
+            shutil.rmtree(path)
         try:
             path.mkdir()
         except FileExistsError:

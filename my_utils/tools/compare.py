@@ -46,6 +46,7 @@ TRAINING_KEYS = ("steps", "samples_per_s", "train_loss_final", "peak_memory_byte
 FOLDED_ROWS = 20  # markdown tables longer than this are folded (<details>)
 TEXT_ROWS = 40  # terminal tables longer than this are named in one line and printed with --verbose
 DETAIL_TABLES = ("Not a speedup",)  # counted in the "not compared" line; printed with --verbose
+NAME_COLUMNS = {"Speedup": (0, 1), "Not a speedup": (0, 2)}  # the columns of names a narrow terminal shortens
 VERSIONS_MARK = "†"
 COMMIT_MARK = "‡"
 SHARED_MARK = "§"
@@ -456,7 +457,7 @@ def render(comparison: Comparison, markdown: bool = False, images: dict[str, str
             parts.append(f"### {t.title}\n\n{table}")
         else:
             caption = "\n" + textwrap.fill(f"({t.caption})", TERMINAL_WIDTH) if t.caption else ""
-            parts.append(f"{t.title}\n{text_table(t.header, t.rows)}{caption}")
+            parts.append(f"{t.title}\n{text_table(t.header, t.rows, names=NAME_COLUMNS.get(t.title, (0,)))}{caption}")
     if images:
         parts.append("\n".join(f"![{title}]({file})" if markdown else f"{title}: {file}"
                                 for title, file in images.items()))
