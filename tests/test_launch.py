@@ -307,3 +307,49 @@ def test_a_logged_launch_keeps_prints_progress_and_library_notices_in_its_log(tm
     assert "training 21" in kept and "progress 100%|" in kept and "a library notice" in kept
     library.warning("after the launch")  # the handler writes to the terminal again
     assert "after the launch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("typed, option, said", [
+    (["torchrun", "--nproc_per_node", "4", "-m", "m", "--x"], None,
+     "use --nproc_per_node 2: `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m m --x`"),
+    (["torchrun", "--nproc-per-node=4", "-m", "m"], None,
+     "use --nproc_per_node 2: `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node=2 -m m`"),
+    (["accelerate launch", "--config_file", "c.yaml", "-m", "m"], None,  # the config's count: the flag overrides it
+     "use --num_processes 2: `ACCELERATE_USE_CPU=1 accelerate launch --num_processes 2 --config_file c.yaml -m m`"),
+    (["python", "-m", "my_utils.workflows.lora", "--num-processes", "4", "--output-dir", "my runs"], None,
+     "use --nproc_per_node 2: `ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.lora "
+     "--output-dir 'my runs'`"),
+    (["python", "-m", "my_utils", "demo", "--processes=9"], "--processes",
+     "use --processes 2: `python -m my_utils demo --processes=2`"),
+    (["python", "-m", "ipykernel_launcher", "-f", "kernel.json"], None, "use num_processes=2"),
+])
+def test_a_process_count_refused_is_answered_in_the_typed_commands_words_with_a_line_to_copy(typed, option, said,
+                                                                                             monkeypatch):
+    monkeypatch.setattr(launch, "typed_command", lambda: typed)
+    monkeypatch.setattr(launch, "is_cpu_only", lambda: True)
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    with pytest.raises(UserError) as refused:
+        launch.check_process_count(4, option)
+    assert str(refused.value) == f"4 processes asked for but this machine has 2 CPU cores; {said}."
+
+
+@pytest.mark.slow
+def test_which_launcher_needs_accelerate_use_cpu_as_the_docs_say(tmp_path, subprocess_env):
+    """docs/running.md: on a CPU, a plain accelerate script needs ACCELERATE_USE_CPU=1 under torchrun too (each
+    worker alone otherwise); the course's workflows under torchrun do not (every worker sees the world of 2)."""
+    import json
+    import subprocess
+
+    if not launch.is_cpu_only():
+        pytest.skip("the variable matters only where there is no GPU")
+    env = {k: v for k, v in subprocess_env.items() if k != "ACCELERATE_USE_CPU"}
+    script = tmp_path / "plain.py"
+    script.write_text("from accelerate import Accelerator\nprint('world', Accelerator().num_processes)\n")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    plain = subprocess.run([*torchrun, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and plain.stdout.count("world 1") == 2, plain.stdout + plain.stderr[-2000:]
+    out = tmp_path / "tp"
+    course = subprocess.run([*torchrun, "-m", "my_utils.workflows.tensor_parallel", "--preset", "tiny", "--max-steps",
+                             "1", "--output-dir", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert course.returncode == 0, course.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["world_sizes_seen"] == [2, 2]

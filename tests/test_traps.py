@@ -25,6 +25,11 @@ def test_every_trap_springs_and_every_cure_holds(tmp_path):
     workers = [json.loads(p.read_text()) for p in sorted((out / "workers").glob("rank_*.json"))]
     assert [w["world_size"] for w in workers] == [2, 2]
     result = json.loads((out / "summary.json").read_text())["traps"]
+    # what it prints: a table, a row for each trap and its cure, no dicts, and no warning about the trap's own setting
+    table = proc.stdout.split("results folder:")[1]
+    assert [line.split()[:2] for line in table.splitlines() if line.startswith(tuple(result))] == [
+        [trap, run] for trap in result for run in ("trap", "cure", "guarded") if run in result[trap]]
+    assert "{'" not in proc.stdout and "find_unused_parameters" not in proc.stdout + proc.stderr
     assert list(result) == list(traps.TRAPS)
     reentrant, first, saved, upcast = (result[name] for name in traps.TRAPS)
     assert reentrant["trap"]["error"] == "Expected to mark a variable ready only once."

@@ -19,6 +19,7 @@ import codecs
 import functools
 import ipaddress
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from my_utils import UserError
 from my_utils.core.devices import cuda_available, usable_cores
 from my_utils.core.paths import REPO_ROOT
 from my_utils.core.progress import follow_log
-from my_utils.run.results import output_to, shown_path
+from my_utils.run.results import output_to, shown_path, typed_command
 from my_utils.run.signals import end_process_group
 
 # Modules that initialise a device or import bitsandbytes when imported; they must stay inside the function.
@@ -48,16 +49,62 @@ def max_processes() -> int:
     return torch.cuda.device_count()
 
 
-def check_process_count(num_processes) -> None:
+def check_process_count(num_processes, option: str | None = None) -> None:
+    """Refuse more processes than this machine can run, in the words of the command that was typed (``option``:
+    the flag that asked for them, where the caller knows it; else found from the command, ``with_processes``)."""
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
         raise UserError(f"The number of processes must be a positive integer, got {num_processes!r}.")
     available = max_processes()
     if num_processes > available:
         what = "CPU cores" if is_cpu_only() else "GPUs"
-        raise UserError(
-            f"{num_processes} processes asked for but this machine has {available} {what}; "
-            f"use num_processes <= {available}."
-        )
+        raise UserError(f"{num_processes} processes asked for but this machine has {available} {what}; "
+                        f"{with_processes(available, option)}.")  # a line to copy, then the full stop
+
+
+# The flag that sets the number of processes, by the command typed (``typed_command``)
+PROCESS_FLAGS = {"torchrun": ("--nproc_per_node", "--nproc-per-node"), "accelerate launch": ("--num_processes",)}
+
+
+def with_processes(count: int, option: str | None = None) -> str:
+    """What to type instead, to run ``count`` processes: "use --nproc_per_node 2: `<the command typed, with it>`".
+    The flag is the typed command's own (torchrun's ``--nproc_per_node``, accelerate's ``--num_processes``, or
+    ``option``: demo's ``--processes``); a plain ``python -m <workflow> --num-processes N`` becomes the torchrun
+    line that launches it. In a notebook, ``notebook_launcher``'s argument."""
+    typed = typed_command()
+    if any("ipykernel" in part for part in typed):
+        return f"use num_processes={count}"
+    flags = (option,) if option else PROCESS_FLAGS.get(typed[0] if typed else "", ())
+    if not flags:  # a workflow run by python alone: the launch that runs it on several processes
+        args = drop_option(typed[3:] if typed[:2] == ["python", "-m"] else typed[1:], "--num-processes")
+        module = typed[2] if typed[:2] == ["python", "-m"] else "<module>"
+        flags, typed = PROCESS_FLAGS["torchrun"], ["torchrun", "--nproc_per_node", str(count), "-m", module, *args]
+    line = set_option(typed, flags, str(count))
+    prefix = "ACCELERATE_USE_CPU=1 " if is_cpu_only() and line[0] in PROCESS_FLAGS and count > 1 else ""
+    return f"use {flags[0]} {count}: `{prefix}{line[0]} {shlex.join(line[1:])}`"  # "accelerate launch" unquoted
+
+
+def drop_option(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag N`` or ``--flag=N``)."""
+    kept, skip = [], False
+    for part in argv:
+        if skip:
+            skip = False
+        elif part == flag:
+            skip = True
+        elif not part.startswith(f"{flag}="):
+            kept.append(part)
+    return kept
+
+
+def set_option(argv: list[str], flags: tuple[str, ...], value: str) -> list[str]:
+    """``argv`` with the first of ``flags`` (any of its spellings) set to ``value``: replaced where it is, else
+    added after the command's name (``accelerate launch``, ``torchrun``)."""
+    for i, part in enumerate(argv):
+        if part in flags and i + 1 < len(argv):
+            return [*argv[:i + 1], value, *argv[i + 2:]]
+        if any(part.startswith(f"{flag}=") for flag in flags):
+            return [*argv[:i], f"{flags[0]}={value}", *argv[i + 1:]]
+    return [argv[0], flags[0], value, *argv[1:]]
 
 
 def preflight(num_processes: int) -> None:
@@ -307,8 +354,8 @@ def check_world_size(expected: int | None = None, timeout_s: float | None = None
     expected = int(os.environ.get("WORLD_SIZE", "1")) if expected is None else expected
     if state.num_processes != expected:
         raise UserError(
-            f"This worker sees a world of {state.num_processes} process(es) but {expected} were asked for; launch "
-            f"{expected} (--nproc_per_node), on a CPU with ACCELERATE_USE_CPU=1 and configs/cpu_x2.yaml."
+            f"This worker sees a world of {state.num_processes} process(es) but {expected} were asked for; "
+            f"{with_processes(expected)}."
         )
     return state.num_processes
 

@@ -189,26 +189,10 @@ def invocation() -> list[str]:
 LAUNCH_ENV = ("ACCELERATE_USE_CPU", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "ACCELERATE_MIXED_PRECISION")
 
 
-def launch_record() -> dict | None:
-    """How this process was started when a launcher started it (torchrun, ``accelerate launch``, a notebook's
-    ``notebook_launcher``): the launcher's command line as typed, and the environment settings in ``LAUNCH_ENV``;
-    None for a process started directly (``invocation`` then says it all)."""
-    if "LOCAL_RANK" not in os.environ:
-        return None
-    try:
-        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
-        argv = [part.decode("utf-8", "replace") for part in parent if part]
-        # the launcher's environment as it started: what the user set, not what the launcher adds for its workers
-        started = dict(line.split(b"=", 1) for line in Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
-                       if b"=" in line)
-        given = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in started.items()}
-    except OSError:
-        argv, given = [], dict(os.environ)
-    env = {k: given[k] for k in LAUNCH_ENV if k in given}
-    if any("ipykernel" in part for part in argv):
-        return {"launcher": "notebook_launcher, from a notebook", "env": env}
-    if argv[:1] and argv[0].startswith("slurmstepd"):  # a SLURM task per rank, no launcher (run.json's slurm)
-        return {"launcher": "srun, one task per rank", "env": env}
+def as_typed(argv: list[str]) -> list[str]:
+    """A command line as its user typed it: ``python -m torch.distributed.run`` or ``.../bin/torchrun`` is
+    ``torchrun``, ``python -m accelerate.commands.launch`` is ``accelerate launch`` (one word), the interpreter's
+    path is ``python``."""
     shown = []
     for i, part in enumerate(argv):
         name = os.path.basename(part)
@@ -220,6 +204,45 @@ def launch_record() -> dict | None:
         shown = shown[1:]
     if shown[:1] == ["accelerate"] and shown[1:2] == ["launch"]:
         shown = ["accelerate launch", *shown[2:]]
+    if argv[:1] and os.path.basename(argv[0]).startswith("python") and shown[:1] not in (["torchrun"],
+                                                                                       ["accelerate launch"]):
+        shown = ["python", *(["-m"] if argv[1:2] == ["-m"] else []), *shown]
+    return shown
+
+
+def typed_command() -> list[str]:
+    """The command line that started this process, as typed (``as_typed``): its launcher's for a launched worker
+    (torchrun, accelerate launch), else its own (``python -m my_utils.workflows.lora ...``)."""
+    if "LOCAL_RANK" in os.environ:
+        try:
+            parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+            return as_typed([part.decode("utf-8", "replace") for part in parent if part])
+        except OSError:
+            return []
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = spec.name.removesuffix(".__main__") if spec else None  # python -m my_utils runs my_utils.__main__
+    return as_typed([sys.executable, *(["-m", module] if module else sys.argv[:1]), *sys.argv[1:]])
+
+
+def launch_record() -> dict | None:
+    """How this process was started when a launcher started it (torchrun, ``accelerate launch``, a notebook's
+    ``notebook_launcher``): the launcher's command line as typed, and the environment settings in ``LAUNCH_ENV``;
+    None for a process started directly (``invocation`` then says it all)."""
+    if "LOCAL_RANK" not in os.environ:
+        return None
+    try:
+        # the launcher's environment as it started: what the user set, not what the launcher adds for its workers
+        started = dict(line.split(b"=", 1) for line in Path(f"/proc/{os.getppid()}/environ").read_bytes().split(b"\0")
+                       if b"=" in line)
+        given = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in started.items()}
+    except OSError:
+        given = dict(os.environ)
+    env = {k: given[k] for k in LAUNCH_ENV if k in given}
+    shown = typed_command()
+    if any("ipykernel" in part for part in shown):
+        return {"launcher": "notebook_launcher, from a notebook", "env": env}
+    if shown[:1] and shown[0].startswith("slurmstepd"):  # a SLURM task per rank, no launcher (run.json's slurm)
+        return {"launcher": "srun, one task per rank", "env": env}
     typed = " ".join([*(f"{k}={v}" for k, v in env.items()), *shown])
     return {"launcher": redact_secrets(typed), "env": redact_secrets(env)}
 

@@ -133,7 +133,7 @@ def main(argv=None) -> Path:
     parameters = {"PRESET": args.preset}
     if args.processes is not None:
         check_positive("--processes", args.processes)
-        check_process_count(args.processes)
+        check_process_count(args.processes, option="--processes")
         parameters["PROCESSES"] = args.processes
 
     selected = notebooks(args.only)

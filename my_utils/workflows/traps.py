@@ -30,7 +30,8 @@ from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
 from my_utils.core.models import add_adapter
 from my_utils.core.paths import RUNS_ROOT
-from my_utils.core.printing import print0
+from my_utils.core.printing import native_stderr_silenced, print0
+from my_utils.core.tables import text_table
 from my_utils.run.cli import command_line
 from my_utils.run.config import LocalBatchSettings, check_choice, check_choices, setting
 from my_utils.run.divergence import check_finite
@@ -145,7 +146,10 @@ def reentrant_ddp(base, preset, cfg: Config, batches) -> dict:
         model = checkpointed_ddp(lora_copy(base, preset), reentrant)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate)
         try:
-            losses = train_steps(model, optimizer, batches(), cfg.max_steps, use_cache=False)
+            # DDP's find_unused_parameters=True is the trap's own setting (a Trainer's, kept for the cure): its
+            # C++ warning that it found no unused parameter says nothing new here
+            with native_stderr_silenced():
+                losses = train_steps(model, optimizer, batches(), cfg.max_steps, use_cache=False)
             outcome[name] = {"error": None, "losses": losses, "adapter_spread": adapter_spread(model.module)}
         except RuntimeError as error:  # every rank fails at the same point of the same step
             outcome[name] = {"error": str(error).split(". ")[0] + ".", "losses": None, "adapter_spread": None}
@@ -155,7 +159,7 @@ def reentrant_ddp(base, preset, cfg: Config, batches) -> dict:
 def evaluate_first(base, preset, cfg: Config, dataset, folder) -> dict:
     """``Trainer.evaluate()`` before ``train()``: DDP never wraps the model and the ranks' adapters part. The
     course's Trainer (``course_trainer_class``) stops such a run before its first step."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainingArguments
 
     outcome = {}
     for name, trainer_class, evaluate_before in (("trap", Trainer, True), ("cure", Trainer, False),
@@ -167,6 +171,7 @@ def evaluate_first(base, preset, cfg: Config, dataset, folder) -> dict:
                                  learning_rate=cfg.learning_rate, report_to="none", save_strategy="no", use_cpu=True,
                                  seed=cfg.seed, ddp_find_unused_parameters=False, disable_tqdm=True)
         trainer = trainer_class(model=model, args=args, train_dataset=dataset, eval_dataset=dataset[:8])
+        trainer.remove_callback(PrinterCallback)  # its metrics dicts: the table at the end says what counts
         try:
             # region: evaluating first
             if evaluate_before:
@@ -310,12 +315,34 @@ def train(cfg: Config) -> dict:
                 results[trap] = evaluate_first(base, preset, cfg, dataset, life.folder)
             else:
                 results[trap] = sharded_save(base, preset, cfg, dataset, batches, life.folder)
-            print0(f"{trap}: trap {results[trap].get('trap')}\n{' ' * len(trap)}  cure {results[trap].get('cure')}")
         summary = {"workflow": "traps", "preset": cfg.preset, "world_size": world_size,
                    "local_batch_size": cfg.local_batch_size, "global_batch_size": cfg.global_batch(world_size),
                    "steps_per_trap": cfg.max_steps, "traps": results} if life.is_main else None
         life.finish(summary)
+        print0(outcome_table(results))
     return life.summary
+
+
+def outcome_table(results: dict) -> str:
+    """Each trap and its cure (and the course's guard, where there is one), a row each: what happened."""
+    from my_utils.core.memory import format_bytes
+
+    def said(trap: str, entry: dict) -> str:
+        if entry.get("error"):
+            return entry["error"]
+        if trap == "reentrant_ddp":
+            losses = entry["losses"]
+            return f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, the ranks' adapters apart by {entry['adapter_spread']:.1e}"
+        if trap == "evaluate_first":
+            return f"trained as {entry['wrapped']}, the ranks' adapters apart by {entry['adapter_spread']:.1e}"
+        if trap == "sharded_save":
+            return (f"{entry['elements']:,} of {results[trap]['expected_elements']:,} adapter parameters saved, logits "
+                    f"off by {entry['logit_gap']:.1e}")
+        return "frozen weights per rank: " + ", ".join(map(format_bytes, entry["frozen_bytes_per_rank"]))
+
+    rows = [[trap, variant, said(trap, result[variant])] for trap, result in results.items()
+            for variant in ("trap", "cure", "guarded") if isinstance(result.get(variant), dict)]
+    return text_table(["trap", "run", "what happened"], rows, names=(2,))
 
 
 parse_args, main = command_line(Config, train, __name__, DESCRIPTION)
