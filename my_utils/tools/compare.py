@@ -451,7 +451,8 @@ def render(comparison: Comparison, markdown: bool = False, images: dict[str, str
         if not markdown and not verbose and (t.title in DETAIL_TABLES or len(t.rows) > TEXT_ROWS):
             folded.append(f"{t.title} ({len(t.rows)} rows)")
         elif markdown:
-            table = markdown_table(t.header, t.rows) + (f"\n\n{t.caption}" if t.caption else "")
+            table = markdown_table(t.header, t.rows) + (f"\n\n{textwrap.fill(t.caption, TERMINAL_WIDTH)}"
+                                                        if t.caption else "")
             if len(t.rows) > FOLDED_ROWS:  # a page stays readable: a long table opens on a click
                 table = f"<details><summary>{len(t.rows)} rows</summary>\n\n{table}\n\n</details>"
             parts.append(f"### {t.title}\n\n{table}")

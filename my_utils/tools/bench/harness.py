@@ -29,7 +29,7 @@ from statistics import median
 from my_utils.core.devices import device_inventory
 from my_utils.core.paths import RUNS_ROOT
 from my_utils.core.presets import get_preset
-from my_utils.core.tables import markdown_table, text_table
+from my_utils.core.tables import text_table
 from my_utils.run.launch import check_process_count, clean_env, run_logged
 from my_utils.run.lifecycle import recorded
 from my_utils.run.locks import current_status
@@ -260,8 +260,8 @@ def verdict(row: dict) -> str:
 
 
 def render_table(rows: list[dict], markdown: bool = False) -> str:
-    """The ratio rows as a markdown table (README), or for a terminal as a table of the figures that fit 160 columns,
-    each row's what-against-what on an indented line below it."""
+    """The ratio rows for a page (markdown: a list, an item per row wrapped within 118 characters, the figures in bold
+    first), or for a terminal as a table of the figures, each row's what-against-what on an indented line below it."""
     import textwrap
 
     def cells(r):
@@ -273,9 +273,13 @@ def render_table(rows: list[dict], markdown: bool = False) -> str:
 
     header = ["benchmark", "ratio", "CPU-time est.", "target"]
     if markdown:
-        return markdown_table([*header, "measured", "baseline", "figure"],
-                              [[*cells(r), r["measured"], r["baseline"],
-                                r["figure"] + (f" ({r['detail']})" if r["detail"] else "")] for r in rows])
+        items = []
+        for r in rows:
+            cpu = "" if r["cpu_time_ratio"] is None else f" (CPU-time estimate {r['cpu_time_ratio']:.3f})"
+            target = "" if r["target"] is None else f", target {verdict(r)}"
+            items += textwrap.wrap(f"**{r['benchmark']} {r['ratio']:.3f}**{cpu}{target}: {what(r)}", 118,
+                                   initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
+        return "\n".join(items)
     lines = text_table(header, [cells(r) for r in rows]).splitlines()
     out = lines[:2]
     for line, r in zip(lines[2:], rows):
