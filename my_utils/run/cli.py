@@ -56,8 +56,8 @@ def end_with(failure: RankFailure, prefix: str):
     first, so that the launcher names it too; exit 1."""
     print(f"{prefix}: error: {failure}", file=sys.stderr, flush=True)
     record_failure(failure)
-    try:  # all is said: the launcher's SIGTERM, which the stopped rank's end brings, may now end this process
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:  # all is said; the launcher's SIGTERM, which the stopped rank's end brings, waits for this rank's own exit
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # code (1, with its error file): the launcher reports that
     except ValueError:  # not the main thread
         pass
     failure.end_stopped_ranks()
