@@ -137,7 +137,8 @@ def memory_bars(runs: list[dict], labels: dict[str, str], path: str | Path) -> P
         columns[-1].append(run)
         rows += n
     tallest = max(sum(len(run["summary"]["memory"]) for run in column) for column in columns)
-    fig = new_figure(11 if len(columns) == 1 else 6.5 * len(columns), 1.2 + 0.3 * tallest)
+    # at most 19.5 inches wide: many columns share that width (an image stays within 2,000 pixels)
+    fig = new_figure(11 if len(columns) == 1 else min(6.5 * len(columns), 19.5), 1.2 + 0.3 * tallest)
     axes = fig.subplots(1, len(columns), squeeze=False)[0]
     measures, labelled = set(), set()
     for k, (ax, column) in enumerate(zip(axes, columns), 1):
