@@ -149,8 +149,7 @@ def train(cfg: Config) -> dict:
                        workflow="ddp") as life:
         # region: the DDP training
         # Every process holds the whole model, on the device of its local rank (its index on this machine).
-        device = per_rank_device()
-        device_map = per_rank_device_map()
+        device, device_map = per_rank_device(), per_rank_device_map()
         model = build_model(preset, random_init=cfg.random_init, dropout=cfg.dropout, device_map=device_map)
         report = worker_report(model, device_map=device_map)
         write_worker_report(life.folder, report)
