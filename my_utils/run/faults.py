@@ -68,9 +68,9 @@ class RankFailure(RuntimeError):
         """Kill the stopped ranks on this machine and wait (at most ``wait_s``) until they are gone.
 
         A stopped or hung process ignores the SIGTERM a launcher sends first, and torch's launcher waits 30 s
-        before it kills; its report also names as root cause the first failure it sees. Killed here, before this
-        rank exits, the stopped rank is that first failure and the job ends now. Call it after the run is
-        recorded as failed.
+        before it kills. Killed here, before this rank exits, the stopped rank is in the launcher's report (as
+        SIGKILL) and the job ends now. Which failure the report calls "Root Cause" is torch's choice: the earliest
+        by timestamps kept to the second, so either rank. Call it after the run is recorded as failed.
         """
         for pid in self.processes:
             try:
