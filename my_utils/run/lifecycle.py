@@ -86,12 +86,14 @@ def resume_after_restart(cfg):
     return cfg
 
 
-def check_resumable(run_dir: str | Path, config: dict, may_differ=(), *, workflow: str | None = None,
+def check_resumable(run_dir: str | Path | None, config: dict, may_differ=(), *, workflow: str | None = None,
                     checkpoints: str | None = None) -> dict:
-    """Before resuming: the folder is a results folder of ``workflow`` that did not complete, was started with the same
-    settings (except the keys in ``may_differ``; a secret compared by its hash, as run.json records it) on the same
-    data file (``data_fingerprint``), and has a whole checkpoint of its own under ``checkpoints``. Returns its
-    run.json."""
+    """Before resuming: a folder was named (``--output-dir``), and it is a results folder of ``workflow`` that did
+    not complete, was started with the same settings (except the keys in ``may_differ``; a secret compared by its
+    hash, as run.json records it) on the same data file (``data_fingerprint``), and has a whole checkpoint of its
+    own under ``checkpoints``. Returns its run.json."""
+    if not run_dir:
+        raise UserError("--resume continues an existing results folder; name it with --output-dir.")
     run_dir = Path(run_dir)
     try:
         found = (run_dir / "run.json").is_file()

@@ -159,8 +159,6 @@ def validate(cfg: Config):
     if cfg.num_processes is not None:
         check_process_count(cfg.num_processes)
     if cfg.resume:
-        if not cfg.output_dir:
-            raise UserError("--resume continues an existing results folder; name it with --output-dir.")
         # resolved against resolved: run.json records the settings with every default filled in
         resolved = resolve(cfg, preset, cfg.num_processes or 1)
         check_resumable(cfg.output_dir, asdict(resolved), may_differ=RESUME_MAY_DIFFER, workflow="lora",

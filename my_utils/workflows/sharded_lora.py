@@ -64,8 +64,6 @@ def validate(cfg: Config):
     if cfg.resume:
         from dataclasses import asdict
 
-        if not cfg.output_dir:
-            raise UserError("--resume continues an existing results folder; name it with --output-dir.")
         resolved = resolve(cfg, preset, cfg.num_processes or 2)  # run.json records the resolved settings
         check_resumable(cfg.output_dir, asdict(resolved), may_differ=RESUME_MAY_DIFFER, workflow="sharded_lora",
                         checkpoints=CHECKPOINTS)

@@ -86,8 +86,6 @@ def validate(cfg: Config):
     if cfg.resume:
         from dataclasses import asdict
 
-        if not cfg.output_dir:
-            raise UserError("--resume continues an existing results folder; name it with --output-dir.")
         world_size = cfg.num_processes or get_world_size()  # run.json records the settings as they were resolved
         check_resumable(cfg.output_dir, asdict(replace(cfg, num_processes=world_size)), may_differ=RESUME_MAY_DIFFER,
                         workflow="tensor_parallel", checkpoints=CHECKPOINTS)
