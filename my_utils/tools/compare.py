@@ -58,6 +58,7 @@ class Table:
     header: list[str]
     rows: list[list[str]]
     caption: str = ""
+    notes: tuple = ()  # (columns, note): a part of the caption, shown only where one of those columns is shown
 
 
 @dataclass
@@ -321,8 +322,10 @@ def _arrow(before, after, fmt: str = "{:.3f}") -> str:
 def _drop_empty_columns(table: Table) -> Table:
     """Leave out columns that no run fills (other workflows report other figures)."""
     keep = [i for i in range(len(table.header)) if i == 0 or any(r[i] != "-" for r in table.rows)]
-    return Table(table.title, [table.header[i] for i in keep], [[r[i] for i in keep] for r in table.rows],
-                 table.caption)
+    header = [table.header[i] for i in keep]
+    caption = "; ".join([table.caption] * bool(table.caption)
+                        + [note for columns, note in table.notes if note and set(columns) & set(header)])
+    return Table(table.title, header, [[r[i] for i in keep] for r in table.rows], caption)
 
 
 def runs_table(runs, name) -> Table:
@@ -337,9 +340,10 @@ def runs_table(runs, name) -> Table:
                      _num(s.get("samples_per_s"), "{:.1f}"), _num(s.get("tokens_per_s"), "{:,.0f}"),
                      format_bytes(s.get("peak_memory_bytes")), _num(s.get("trainable_params"), "{:,}"),
                      _count(s.get("total_params"))])
+    resumed = any("(from" in row[4] for row in rows)
     return Table("Runs", ["run", "workflow", "method", "procs", "steps", "runtime", "samples/s", "tokens/s",
                           "peak/device", "trainable", "params"], rows,
-                 "steps (from k): a resumed run, whose runtime and rates are those of its steps after k")
+                 "steps (from k): a resumed run, whose runtime and rates are those of its steps after k" * resumed)
 
 
 def speedup_table(groups, name) -> Table:
@@ -379,11 +383,15 @@ def memory_table(runs, name) -> Table:
                          format_bytes(peak_bytes(first)) if first else "-", format_bytes(end.get("peak_reserved")),
                          *(format_bytes(parts.get(k)) for k in ("weights", "gradients", "optimizer_states",
                                                                 "saved_activations"))])
+    measures = {row[4] for row in rows}
+    caption = "; ".join(["CUDA: peak allocated by tensors"] * ("peak allocated" in measures)
+                        + ["CPU: peak resident memory of the process (includes Python and torch)"] * ("peak RSS" in measures))
     return Table("Memory per device", ["run", "procs", "rank", "device", "measure", "peak", "step 1",
                                        "reserved", "weights", "gradients", "optimizer", "activations"],
-                 rows, "CUDA: peak allocated by tensors; CPU: peak resident memory of the process (includes Python "
-                 "and torch); step 1: the peak after the first step; reserved: CUDA's peak reserved; the parts are "
-                 "measured from the tensors (activations: what autograd kept for backward in the first step)")
+                 rows, caption, ((("step 1",), "step 1: the peak after the first step"),
+                                 (("reserved",), "reserved: CUDA's peak reserved"),
+                                 (("weights", "gradients", "optimizer", "activations"), "the parts are measured from the "
+                                  "tensors (activations: what autograd kept for backward in the first step)")))
 
 
 def batch_table(runs, name) -> Table:
@@ -410,8 +418,9 @@ def quality_table(runs, name) -> Table:
                      format_bytes(s.get("adapter_bytes"))])
     scorers = sorted({r["summary"]["similarity_scorer"] for r in runs if r["summary"].get("similarity_scorer")})
     return Table("Quality", ["run", "train loss", "eval loss", "exact match", "similarity", "accuracy", "adapter"],
-                 rows, "a -> b: first -> final (train loss), before -> after training (the scores)"
-                 + (f"; similarity: {'; '.join(scorers)}" if scorers else ""))
+                 rows, notes=((("train loss",), "train loss a -> b: first -> final"),
+                              (("exact match", "similarity", "accuracy"), "scores a -> b: before -> after training"),
+                              (("similarity",), f"similarity: {'; '.join(scorers)}" if scorers else "")))
 
 
 def compare(*paths, root: Path | str | None = None) -> Comparison:
