@@ -92,7 +92,16 @@ MUTATIONS = {
         "hang['sentence'] = 'a rank stopped (which one could not be told)'  # the stopped rank not named",
         "dumps[1] = dumps[0]  # a dump that does not show where rank 1 stopped",
     ],
-    "15_compare": [
+    "15_levers": [
+        "kept[True, False] = kept[False, False]  # bf16 that keeps float32's bytes",
+        "planned[False, True] = 2 * planned[False, True]  # a planner twice off what checkpointing keeps",
+        "forwards[True] = forwards[False]  # checkpointing that recomputes nothing",
+        "bf16_gap = mean_interval([2 * margin, 2.1 * margin, 1.9 * margin])  # bf16 two seed spreads off float32",
+        "ckpt_gap = 1e-3  # checkpointing that moves the loss",
+        "compile_gap = 1e-3  # compiled losses a thousandth off eager's",
+        "graphs[TRAP] = 1  # a new length that compiles nothing",
+    ],
+    "16_compare": [
         "part_ratios.append(1.3)  # a part the planner misses by 30%",
         "ratios = [0.0 for _ in ratios]  # a planner that predicts no tensors at all",
         "two = dict(two, global_batch_size=2 * one['global_batch_size'])  # a pair of two global batches",

@@ -182,11 +182,13 @@ def check_enough_rows(n_rows: int, global_batch: int) -> None:
         )
 
 
-def padding_collator(tokenizer):
-    """Pads input_ids with the pad token and labels with -100, per batch (dynamic padding)."""
+def padding_collator(tokenizer, pad_to: int | None = None):
+    """Pads input_ids with the pad token and labels with -100, per batch to its longest example (dynamic padding),
+    or to ``pad_to`` tokens."""
     from transformers import DataCollatorForSeq2Seq
 
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, return_tensors="pt")
+    padding = {"padding": "max_length", "max_length": pad_to} if pad_to else {"padding": True}
+    return DataCollatorForSeq2Seq(tokenizer, **padding, label_pad_token_id=-100, return_tensors="pt")
 
 
 def pack_examples(examples: list[dict], max_length: int) -> list[dict]:
