@@ -253,6 +253,21 @@ def test_command_line_says_whether_it_fits(capsys):
     assert all(part in out for part in ("saved activations", "backward transient", "DDP gradient buckets"))
 
 
+def test_the_workflows_flag_names_plan_the_same_run():
+    """A run's own flags (--mixed-precision, transformers 5's --activation-checkpointing) plan what --dtype and
+    --gradient-checkpointing plan."""
+    shape = ["--preset", "tiny", "--local-batch-size", "4", "--max-length", "32"]
+    for workflow_flags, planner_flags in [(["--mixed-precision", "bf16", "--activation-checkpointing"],
+                                           ["--dtype", "bf16", "--gradient-checkpointing"]),
+                                          (["--mixed-precision", "no"], ["--dtype", "fp32"])]:
+        as_run, as_planned = planner.main([*shape, *workflow_flags]), planner.main([*shape, *planner_flags])
+        assert as_run == as_planned and (as_run.dtype, as_run.gradient_checkpointing) == (
+            "bf16" if "bf16" in workflow_flags else "fp32", "--activation-checkpointing" in workflow_flags)
+    with pytest.raises(SystemExit) as e:
+        planner.main([*shape, "--mixed-precision", "fp16"])  # a GPU's precision the planner does not model
+    assert e.value.code == 2
+
+
 def test_a_run_is_planned_from_its_records():
     """The plan for a run comes from what it records: method, quantization, the adapter (run.json's peft config),
     mixed precision, processes, device, and each process's first batch; each measured part is set beside its planned

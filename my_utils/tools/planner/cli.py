@@ -60,9 +60,14 @@ def main(argv=None) -> Plan:
     split.add_argument("--microbatches", type=int, help="micro-batches per batch through the pipeline (default: --pp)")
     split.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
                        help="gpipe holds every micro-batch's activations; 1f1b at most the stages' (default 1f1b)")
-    ap.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
-                    help="compute dtype (bf16: mixed precision, autocast over fp32 weights)")
-    ap.add_argument("--gradient-checkpointing", action="store_true", help="keep only each layer's input")
+    # the workflows' names too (--mixed-precision no|bf16, and transformers 5's activation checkpointing), so that
+    # a run's flags can be planned as they are
+    ap.add_argument("--dtype", "--mixed-precision", default="fp32", choices=tuple(DTYPES),
+                    type=lambda name: {"no": "fp32"}.get(name, name),
+                    help="compute dtype (bf16: mixed precision, autocast over fp32 weights; as --mixed-precision, "
+                    "no is fp32)")
+    ap.add_argument("--gradient-checkpointing", "--activation-checkpointing", action="store_true",
+                    help="keep only each layer's input")
     ap.add_argument("--plain-loss", action="store_true",
                     help="the whole logits at once (the workflow's --no-chunked-loss), not its chunked loss")
     ap.add_argument("--device", help=f"the device to fit: {', '.join(DEVICES)}, or cpu (this machine's memory "
