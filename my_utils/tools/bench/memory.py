@@ -183,8 +183,8 @@ def _model(preset_name: str, method: str, gradient_checkpointing: bool, device: 
     """The preset's architecture with random weights on ``device``, checkpointed if asked, with LoRA r=8 or not."""
     preset = get_preset(preset_name)
     model = build_causal_lm(preset, random_init=True).to(device)
+    model.config.use_cache = False  # as in training: a cache would keep a copy of every key and value besides
     if gradient_checkpointing:
-        model.config.use_cache = False
         model.activation_checkpointing_enable({"use_reentrant": False})  # works with frozen inputs (LoRA)
     if method == "lora":
         model = add_adapter(model, AdapterSpec(rank=8).resolved(preset.lora_targets))
