@@ -101,6 +101,22 @@ def submit(folder: Path, script: Path, args: list, output: Path, *options: str, 
     return job, code, text
 
 
+def submit_together(folder: Path, jobs: dict, env: dict | None = None) -> dict:
+    """Several ``submit`` calls at once, each job with sbatch's ``--oversubscribe`` so that they share the nodes
+    (for jobs that mostly wait): ``jobs`` maps a name to (script, args, output, options); returns, per name, (job
+    id, exit code, output, seconds from its submission to its end). A failed job is returned, not raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(script, args, output, options):
+        started = time.monotonic()
+        job, code, text = submit(folder, script, args, output, "--oversubscribe", *options, env=env, check=False)
+        return job, code, text, time.monotonic() - started
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        running = {name: pool.submit(one, *job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in running.items()}
+
+
 def show(folder: Path, *command: str) -> str:
     """A SLURM command's output on the cluster in ``folder`` (squeue, scontrol show job ...)."""
     return subprocess.run(list(command), env=cluster.slurm_env(folder), capture_output=True, text=True,
