@@ -9,7 +9,7 @@ import time
 from my_utils.core.adapters import AdapterSpec
 from my_utils.core.chunked_loss import use_chunked_loss
 from my_utils.core.data import padding_collator
-from my_utils.core.devices import per_rank_device
+from my_utils.core.devices import layer_stack, per_rank_device
 from my_utils.core.models import add_adapter, build_causal_lm
 from my_utils.run.callbacks import SavedActivations
 
@@ -53,14 +53,14 @@ def autocast(bf16: bool):
 
 def train(model, steps: list[dict], *, bf16: bool = False, forward=None, lr: float = 1e-3) -> dict:
     """One AdamW step on each batch of ``steps`` through ``forward`` (default: ``model``; a compiled model, say):
-    the losses, and each step's wall-clock and CPU seconds."""
+    the losses, and each step's wall-clock seconds."""
     import torch
 
     forward = model if forward is None else forward  # a compiled module has no truth value
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses, seconds, cpu_seconds = [], [], []
+    losses, seconds = [], []
     for batch in steps:
-        started, cpu_started = time.perf_counter(), time.process_time()
+        started = time.perf_counter()
         with autocast(bf16):
             loss = forward(**batch).loss
         loss.backward()
@@ -68,8 +68,7 @@ def train(model, steps: list[dict], *, bf16: bool = False, forward=None, lr: flo
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())  # waits for the step, on a GPU too
         seconds.append(time.perf_counter() - started)
-        cpu_seconds.append(time.process_time() - cpu_started)
-    return {"losses": losses, "seconds": seconds, "cpu_seconds": cpu_seconds}
+    return {"losses": losses, "seconds": seconds}
 
 
 def saved_bytes(model, batch: dict, *, bf16: bool = False) -> int:
@@ -82,21 +81,13 @@ def saved_bytes(model, batch: dict, *, bf16: bool = False) -> int:
     return saved.bytes
 
 
-def blocks(model):
-    """The model's transformer blocks: the module list that holds one module per layer."""
-    import torch
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    layers = base.config.num_hidden_layers
-    return next(m for m in base.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers)
-
-
 def block_forwards(model, batch: dict) -> int:
     """How many times the blocks' computation runs in one training step on ``batch``: once per block, and once more
     for each block that activation checkpointing recomputes during backward. Counted at each block's first layer:
     transformers checkpoints a block's ``forward``, inside the block's own hooks, which so run once."""
     calls = []
-    hooks = [next(block.children()).register_forward_hook(lambda *_: calls.append(1)) for block in blocks(model)]
+    _, blocks = layer_stack(model)
+    hooks = [next(block.children()).register_forward_hook(lambda *_: calls.append(1)) for block in blocks]
     try:
         model(**batch).loss.backward()
     finally:
