@@ -105,7 +105,7 @@ def demo_sentence() -> str:
     """The reference demo's time, as its summary.json recorded it."""
     demo = read_json(DEMO_REFERENCE / "demo" / "summary.json")
     return (f"{DEMO_START}the reference run (`runs/reference/cpu_x2/demo/summary.json`) took "
-            f"{demo['total_seconds']:.0f} s for its\n{len(demo['notebook_seconds'])} notebooks on an idle 2-core "
+            f"{demo['wall_seconds']:.0f} s for its\n{len(demo['notebook_seconds'])} notebooks on an idle 2-core "
             f"machine{DEMO_END}")
 
 

@@ -335,3 +335,33 @@ def test_a_warning_counts_as_explained_only_when_the_lesson_quotes_it():
     explained = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_markdown_cell('It prints "FutureWarning: `foo` is deprecated", which is harmless.'), cell])
     assert unexplained_warnings(explained) == []
+
+
+@pytest.mark.slow
+def test_the_demo_runs_a_waiting_lesson_beside_its_partner_and_the_next_after_both(tmp_path, monkeypatch):
+    import json
+
+    import nbformat
+
+    from my_utils.tools import demo
+
+    lessons = tmp_path / "notebooks"
+    lessons.mkdir()
+    for name in ("01_partner", "02_waiting", "03_next"):  # each records when it ran and the run root it was given
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+            "import json, os, time\nstart = time.time()\ntime.sleep(4)\n"
+            f"json.dump([start, time.time(), os.environ['COURSE_RUN_ROOT']], open({str(tmp_path / name)!r}, 'w'))")]),
+            lessons / f"{name}.ipynb")
+    monkeypatch.setattr(demo, "NOTEBOOKS", lessons)
+    monkeypatch.setattr(demo, "REPO_ROOT", tmp_path)
+    monkeypatch.setattr(demo, "next_run_root", lambda device, count: tmp_path / "runs" / "run_1")
+    monkeypatch.setattr(demo, "BESIDE", {"02_waiting.ipynb": "01_partner.ipynb"})
+    root = demo.main([])
+    (start_1, end_1, root_1), (start_2, end_2, root_2), (start_3, _, root_3) = (
+        json.loads((tmp_path / name).read_text()) for name in ("01_partner", "02_waiting", "03_next"))
+    assert start_2 < end_1 and start_1 < end_2, "the waiting lesson ran while its partner did"
+    assert start_3 > max(end_1, end_2), "the next lesson waited for both"
+    assert root_1 == root_2 == root_3 == str(root)
+    summary = json.loads((root / "demo" / "summary.json").read_text())
+    assert sorted(summary["notebook_seconds"]) == ["01_partner.ipynb", "02_waiting.ipynb", "03_next.ipynb"]
+    assert summary["wall_seconds"] < sum(summary["notebook_seconds"].values())
