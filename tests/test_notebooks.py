@@ -100,6 +100,9 @@ MUTATIONS = {
         "ckpt_gap = 1e-3  # checkpointing that moves the loss",
         "compile_gap = 1e-3  # compiled losses a thousandth off eager's",
         "graphs[TRAP] = 1  # a new length that compiles nothing",
+        "one['loss'] += 0.01  # a checkpoint that resumes on 1 process off the uninterrupted run",
+        "files = files[:-1]  # a checkpoint without rank 1's file",
+        "exported['weight_gap'] = 1e-3  # a plain model folder that changed the weights",
     ],
     "16_compare": [
         "part_ratios.append(1.3)  # a part the planner misses by 30%",
