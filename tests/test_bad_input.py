@@ -94,6 +94,19 @@ def test_fp16_on_a_cpu_is_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(not launch.is_cpu_only(), reason="Inductor needs a C++ compiler on a CPU only")
+def test_compile_without_a_compiler_is_refused(tmp_path, capsys, monkeypatch):
+    from torch._inductor import config
+
+    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-compiler"))  # where Inductor looks ($CXX, else g++)
+    proc = cli(["--compile", "--output-dir", tmp_path / "out"], capsys)
+    assert proc.returncode == 2
+    line = proc.stderr.strip()
+    assert line.startswith("lora: error: torch.compile needs a C++ compiler on a CPU (") and line.endswith(
+        "; install g++ or clang, or drop --compile."), line
+    assert "\n" not in line and not (tmp_path / "out").exists()
+
+
 def test_an_existing_results_folder_is_refused_before_anything_loads(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     proc = cli(["--output-dir", tmp_path / "taken"], capsys)

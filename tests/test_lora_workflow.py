@@ -120,6 +120,26 @@ def test_two_process_launch_from_a_shell(tmp_path, subprocess_env, tracked_losse
         assert summary["memory"][0]["breakdown"]["weights"] >= 4 * summary["total_params"]
 
 
+@pytest.mark.slow
+def test_compile_trains_as_eager_does_with_the_graphs_counted(tmp_path, subprocess_env):
+    """--compile: the Trainer compiles the model (torch's counter saw graphs built), with transformers' loss in place
+    of the chunked one, which the compiler cannot trace; the losses are eager's to float rounding."""
+    summaries = {}
+    for name, flag in (("compiled", "--compile"), ("eager", "--no-chunked-loss")):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "my_utils.workflows.lora", "--preset", "tiny", "--max-steps", "3",
+                               "--logging-steps", "1", "--skip-generation-eval", "--eval-rows", "8", flag,
+                               "--output-dir", str(out)], env=subprocess_env, cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        summaries[name] = load_run(out)
+    compiled, eager = summaries["compiled"]["summary"], summaries["eager"]["summary"]
+    assert summaries["compiled"]["run"]["config"]["compile"] is True and compiled["chunked_loss"] is False
+    assert compiled["compiled_graphs"] >= 1 and eager["compiled_graphs"] is None
+    losses = [[m["loss"] for m in run["metrics"] if "loss" in m] for run in summaries.values()]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
 def _check_each_fact_once(out_dir):
     """The records of a LoRA run (run.json, summary.json, metrics.jsonl) state the adapter's rank once, as peft's
     ``r``, and name no process ``rank``."""

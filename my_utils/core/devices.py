@@ -229,3 +229,15 @@ def parameters_per_device(model, device_map: dict) -> dict:
         seen.update(id(p) for p in fresh)
         counts[device] = counts.get(device, 0) + sum(p.numel() for p in fresh)
     return counts
+
+
+def compiler_missing() -> str | None:
+    """Why ``torch.compile`` cannot build code for this machine's CPU (no C++ compiler, which Inductor needs there),
+    or None when it can."""
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as e:  # torch raises its own error with the compilers it looked for
+        return f"torch.compile needs a C++ compiler on a CPU ({str(e).strip().splitlines()[0]}); install g++ or clang"
+    return None

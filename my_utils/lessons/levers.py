@@ -97,17 +97,6 @@ def block_forwards(model, batch: dict) -> int:
     return len(calls)
 
 
-def compiler_missing() -> str | None:
-    """Why ``torch.compile`` cannot build code for this machine's CPU (no C++ compiler), or None when it can."""
-    from torch._inductor import cpp_builder
-
-    try:
-        cpp_builder.get_cpp_compiler()
-    except Exception as e:  # torch raises its own error with the compilers it looked for
-        return f"torch.compile needs a C++ compiler on a CPU ({str(e).strip().splitlines()[0]}); install g++ or clang"
-    return None
-
-
 def compiled_train(model, steps: list[dict], **train_kwargs) -> dict:
     """``train`` through ``torch.compile(model)`` (Inductor, the default backend), with the number of graphs it
     compiled (``graphs``), counted by torch's own counter."""

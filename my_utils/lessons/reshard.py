@@ -180,7 +180,8 @@ def resume_unsharded(preset, out: Path) -> dict:
     loaded = copy.deepcopy(model)
     batches = parts(block_dataset(preset, LENGTH), SAVE_AT + 1, sharded["world_size"])
     loss = step(model, optimizer, batches)
-    gap = largest_gap(torch.load(out / "after.pt"), {name: value.cpu() for name, value in model.state_dict().items()})
+    trained = {name: value.cpu() for name, value in model.state_dict().items()}
+    gap = largest_gap(torch.load(out / "after.pt", weights_only=True), trained)
     return {"loss": loss, "weight_gap": gap, "loaded": loaded}
 
 

@@ -48,7 +48,7 @@ from my_utils.core.adapters import LORA, PROMPT_LEARNING, AdapterSpec, complete_
 from my_utils.core.chunked_loss import use_chunked_loss
 from my_utils.core.data import (INSTRUCTION_COLUMNS, check_enough_rows, check_text_columns, load_instructions,
                                 pack_examples, packed_collator, padding_collator, read_jsonl, tokenize_instructions)
-from my_utils.core.devices import fast_bf16, meta_model, per_rank_device, per_rank_device_map
+from my_utils.core.devices import compiler_missing, fast_bf16, meta_model, per_rank_device, per_rank_device_map
 from my_utils.core.evaluation import SIMILARITY_SCORER, answer_quality, held_out_loss
 from my_utils.core.learning_rate import LR_SCALING, scale_learning_rate
 from my_utils.core.memory import peak_bytes
@@ -108,6 +108,9 @@ class Config(LocalBatchSettings):
     eval_rows: int = setting(100, "held-out rows for the loss, exact match and similarity")
     max_new_tokens: int = setting(16, "tokens generated per held-out answer")
     gradient_checkpointing: bool = setting(False, "trade compute for activation memory")
+    compile: bool = setting(False, "torch.compile the model (Inductor: on a CPU it needs a C++ compiler; the first "
+                            "steps compile, for tens of seconds); the loss is then transformers' own, since the "
+                            "chunked loss replaces the forward in a way the compiler cannot trace")
     chunked_loss: bool = setting(True, "compute the training loss a chunk of tokens at a time, never holding the "
                                  "whole float32 logits (same loss and gradients; summary.json says whether the "
                                  "architecture allowed it)")
@@ -166,6 +169,8 @@ def validate(cfg: Config):
     if cfg.mixed_precision == "fp16":
         if is_cpu_only():
             raise UserError("fp16 mixed precision needs a GPU; on a CPU use --mixed-precision bf16 or no.")
+    if cfg.compile and is_cpu_only() and (why := compiler_missing()):  # imports torch, only when asked to compile
+        raise UserError(f"{why}, or drop --compile.")
     return preset
 
 
@@ -187,6 +192,14 @@ def training_learning_rate(cfg: Config, preset, world_size: int) -> float:
     """The rate the optimizer uses: ``cfg.learning_rate`` scaled by ``cfg.lr_scaling`` from the preset's batch to
     the global batch (local_batch_size x grad_accum x processes)."""
     return scale_learning_rate(cfg.learning_rate, cfg.global_batch(world_size), preset.batch_size, cfg.lr_scaling)
+
+
+def compiled_graphs() -> int:
+    """How many graphs ``torch.compile`` built in this process, by torch's own counter: one per shape it could not
+    reuse a graph for (lesson 15's recompilation trap)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def default_mixed_precision(quantize: str) -> str:
@@ -264,7 +277,7 @@ def train(cfg: Config) -> dict:
         if cfg.method == "lora":
             model = add_adapter(model, cfg.adapter)  # peft's config from the spec: cfg.adapter.peft_config(...)
         # endregion
-        chunked_loss = cfg.chunked_loss and use_chunked_loss(model)
+        chunked_loss = cfg.chunked_loss and not cfg.compile and use_chunked_loss(model)
         params = count_parameters(model)
         print0(f"trainable parameters: {params['trainable']:,} of {params['total']:,} "
                f"({100 * params['trainable_fraction']:.2f}%); learning rate {learning_rate:g}")
@@ -286,7 +299,7 @@ def train(cfg: Config) -> dict:
                                                     for key in ("eval_set", "forgetting_set")}
         result, runtime = _fit(trainer, life.checkpoint, reliability["stop"])
         measured = {
-            "chunked_loss": chunked_loss, "runtime": runtime, "params": params, "learning_rate": learning_rate,
+            "chunked_loss": chunked_loss, "compiled_graphs": compiled_graphs() if cfg.compile else None, "runtime": runtime, "params": params, "learning_rate": learning_rate,
             "memory": memory_cb.report,
             "tokens": sum(life.gather(counter.tokens) or [0]),
             "first_batches": life.gather(counter.previews[0] if counter.previews else None),
@@ -341,6 +354,7 @@ def training_arguments(cfg: Config, folder: Path, learning_rate: float):
         # search the graph for unused parameters (a full extra traversal per step).
         ddp_find_unused_parameters=False,
         activation_checkpointing=cfg.gradient_checkpointing,
+        torch_compile=cfg.compile,  # the Trainer compiles the model it trains (lesson 15 measures what it costs)
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and with DDP.
         activation_checkpointing_kwargs={"use_reentrant": False} if cfg.gradient_checkpointing else None,
         dataloader_drop_last=True,  # training batches only (course_trainer_class): same shapes on every rank
@@ -449,6 +463,7 @@ def build_summary(cfg: Config, world_size: int, trainer, result, checkpoint, mea
         "mixed_precision": cfg.mixed_precision,
         "gradient_checkpointing": cfg.gradient_checkpointing,
         "chunked_loss": measured["chunked_loss"],  # the setting, where the architecture allows it
+        "compiled_graphs": measured["compiled_graphs"],  # with --compile: torch's count of the graphs it built
         "max_length": cfg.max_length,
         "steps": steps,
         "resumed_from_step": start_step if checkpoint else None,
