@@ -103,6 +103,8 @@ MUTATIONS = {
         "one['loss'] += 0.01  # a checkpoint that resumes on 1 process off the uninterrupted run",
         "files = files[:-1]  # a checkpoint without rank 1's file",
         "exported['weight_gap'] = 1e-3  # a plain model folder that changed the weights",
+        "qlora_gap = 1e-3  # a sharded QLoRA that trains off the unsharded one",
+        "base_ratio = 2.0  # every process holding the whole base",
     ],
     "16_compare": [
         "part_ratios.append(1.3)  # a part the planner misses by 30%",
