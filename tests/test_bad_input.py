@@ -439,7 +439,8 @@ HOSTILE = [
     ("plan", ["--rank", "100000"], "LoRA rank 100000 is above the width of the layers it adapts \\(192\\)"),
     ("plan", ["--zero", "2"], "ZeRO shards over processes: --zero 2 needs --processes 2 or more"),
     ("plan", ["--zero", "4"], "argument --zero: invalid choice: 4"),
-    ("plan", ["--method", "qlora", "--zero", "1", "--processes", "2"], "does not model ZeRO over quantized weights"),
+    ("plan", ["--method", "qlora", "--zero", "1", "--processes", "2"], "ZeRO-1 shards the optimizer states"),
+    ("plan", ["--method", "qlora-8bit", "--zero", "3", "--processes", "2"], "models ZeRO over 4-bit weights only"),
     ("plan", ["--preset", "smollm2-135m", "--method", "full", "--tp", "2"],
      "The model's attention heads, 9, do not split over 2 processes"),  # tensor_parallel's own sentence
     ("plan", ["--preset", "gpt2", "--method", "full", "--tp", "2"], "The tensor-parallel plan is written for Llama"),

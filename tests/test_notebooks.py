@@ -105,6 +105,7 @@ MUTATIONS = {
         "exported['weight_gap'] = 1e-3  # a plain model folder that changed the weights",
         "qlora_gap = 1e-3  # a sharded QLoRA that trains off the unsharded one",
         "base_ratio = 2.0  # every process holding the whole base",
+        "qlora_planned *= 1.05  # a planner 5% off the sharded QLoRA's weights",
     ],
     "16_compare": [
         "part_ratios.append(1.3)  # a part the planner misses by 30%",

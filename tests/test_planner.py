@@ -174,8 +174,14 @@ def test_each_part_follows_its_rule(tiny):
     assert lora.weights == 4 * (tiny.total_params + lora.trainable_params)
     quantized = sum(tiny.linears[n][0] * tiny.linears[n][1] for n in tiny.quantizable)
     assert "lm_head" not in tiny.quantizable and len(tiny.quantizable) == 4 * tiny.layers
-    assert qlora.weights == pytest.approx(quantized * planner.NF4_BYTES + 4 * (tiny.total_params - quantized)
+    tables = planner.NF4_LAYER_BYTES * len(tiny.quantizable)  # each 4-bit layer's code tables
+    assert qlora.weights == pytest.approx(quantized * planner.NF4_BYTES + tables + 4 * (tiny.total_params - quantized)
                                           + 4 * qlora.trainable_params)
+    # FSDP2 over the 4-bit base shards the parameters; the quantization constants stay whole on every module
+    fsdp = planner.plan("tiny", "qlora", batch_size=4, max_length=32, processes=2, zero=3)
+    constants = quantized * (planner.NF4_BYTES - 0.5) + tables
+    assert fsdp.weights == pytest.approx((qlora.weights - constants) / 2 + constants)
+    assert fsdp.gradients == qlora.gradients / 2 and fsdp.optimizer == qlora.optimizer / 2
     assert qlora.method == "qlora-4bit" and q8.method == "qlora-8bit"
     assert qlora.weights < q8.weights < lora.weights
     ddp = planner.plan("tiny", "lora", batch_size=4, max_length=32, processes=2)
@@ -348,8 +354,8 @@ def test_smollm2_parts_follow_the_llama_layout():
     quantized = sum(arch.linears[n][0] * arch.linears[n][1] for n in arch.quantizable)
     assert quantized == 30 * block
     qlora = planner.plan("smollm2-135m", "qlora")
-    assert qlora.weights == pytest.approx(quantized * planner.NF4_BYTES + 4 * (arch.total_params - quantized)
-                                          + 4 * qlora.trainable_params)
+    assert qlora.weights == pytest.approx(quantized * planner.NF4_BYTES + planner.NF4_LAYER_BYTES * 7 * 30
+                                          + 4 * (arch.total_params - quantized) + 4 * qlora.trainable_params)
     # full fine-tuning in fp32 on a GPU, batch 2 x seq 16, each block by hand
     t, h, f, b, s = 32, 576, 1536, 2, 16
     norm = t * h * 4 + t * 4 + t * h * 4  # input, 1/rms per token, the normalised input (the weight trains)

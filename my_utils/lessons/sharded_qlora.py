@@ -54,8 +54,28 @@ def packed_as_bf16(model) -> dict:
 
 def frozen_bytes(model) -> int:
     """The bytes of the frozen base this process holds: its shards where sharded (``to_local``), else the whole."""
-    return sum((p.to_local() if hasattr(p, "to_local") else p).nbytes
-               for p in model.parameters() if not p.requires_grad)
+    return sum(local(p).nbytes for p in model.parameters() if not p.requires_grad)
+
+
+def weight_bytes(model) -> int:
+    """Every weight this process holds, as the planner counts weights: the parameters (their shards where
+    sharded) and the quantization constants, which bitsandbytes keeps on each 4-bit module (absmax, and with
+    double quantization its own absmax and code tables): outside the parameters, so never sharded."""
+    import bitsandbytes as bnb
+
+    constants = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            state = module.quant_state
+            constants += state.absmax.nbytes + state.code.nbytes
+            if state.nested:
+                constants += state.state2.absmax.nbytes + state.state2.code.nbytes
+    return sum(local(p).nbytes for p in model.parameters()) + constants
+
+
+def local(parameter):
+    """This process's part of ``parameter``: its shard (a DTensor's local tensor), or the whole."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
 
 
 def shard(model) -> None:
@@ -96,11 +116,11 @@ def compare(preset_name: str, out: Path) -> dict:
     optimizer = torch.optim.AdamW([p for p in sharded_model.parameters() if p.requires_grad], lr=LR,
                                   weight_decay=0.0)
     sharded = [step(sharded_model, optimizer, parts(dataset, n, world)[rank:rank + 1]) for n in range(1, STEPS + 1)]
-    per_process = torch.tensor(float(frozen_bytes(sharded_model)))
-    largest = per_process.clone()
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    largest = torch.tensor([float(frozen_bytes(sharded_model)), float(weight_bytes(sharded_model))])
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the process that holds most
     result = {"world_size": world, "unsharded": unsharded, "sharded": sharded, "base_bytes": frozen_bytes(whole),
-              "base_bytes_per_process": int(largest.item()), "as_bf16": packed_as_bf16(whole),
+              "base_bytes_per_process": int(largest[0]),
+              "weight_bytes_per_process": int(largest[1]), "as_bf16": packed_as_bf16(whole),
               "packed_dtype": str(packed_weights(whole)[0].dtype)}
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)

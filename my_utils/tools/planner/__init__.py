@@ -16,8 +16,9 @@ tensors (``compare_with_run``):
 
 - weights: every parameter at its stored size: fp32 4 bytes (the workflows load the base model in fp32; bf16
   is autocast, which computes in bf16 from fp32 weights), NF4 (QLoRA, double quantization) 0.5 byte + 1/64
-  byte of block constants, int8 1 byte + an fp32 scale per output row. Quantization covers the linear layers
-  except the output embedding; the other weights stay in fp32 (peft's k-bit preparation), as do the adapters.
+  byte of block constants, and each layer's code tables (``NF4_LAYER_BYTES``), int8 1 byte + an fp32 scale per
+  output row. Quantization covers the linear layers except the output embedding; the other weights stay in fp32
+  (peft's k-bit preparation), as do the adapters.
 - gradients: 4 bytes per trainable parameter; with several processes DDP adds its gradient buckets, a flat
   copy of the gradients to all-reduce, as a line of their own.
 - optimizer states: AdamW keeps two fp32 tensors per trainable parameter: 8 bytes per parameter.
@@ -35,7 +36,9 @@ With ``--zero`` the data-parallel processes shard what DDP replicates (ZeRO, as 
 ZeroRedundancyOptimizer and FSDP2): stage 1 divides the optimizer states by the number of processes, stage 2 also the
 gradients and the stored weights, but gathers every weight whole from forward to backward (FSDP2's
 ``reshard_after_forward=False``), stage 3 gathers only the unit at work: the root (embeddings, norms outside the
-blocks) and one block.
+blocks) and one block. Over a 4-bit base (QLoRA with stage 2 or 3) FSDP2 shards the packed weights, while the
+quantization constants, which bitsandbytes keeps on each module outside the parameters, stay whole in every
+process (lesson 15 measures it).
 
 With ``--tp`` and ``--pp`` each data-parallel replica is itself split, over tensor-parallel processes (Megatron's
 plan, as lesson 09 trains it) and pipeline stages with micro-batches in flight (lesson 08); the plan is then the
@@ -47,7 +50,8 @@ the process also holds Python, torch and the libraries (``--device cpu`` measure
 process, and adds them).
 """
 from my_utils.tools.planner.activations import RESIDUAL_BYTES, layer_activations
-from my_utils.tools.planner.arithmetic import (ADAMW_STATE_BYTES, DTYPES, METHODS, NF4_BYTES, TRAINABLE_BYTES,
+from my_utils.tools.planner.arithmetic import (ADAMW_STATE_BYTES, DTYPES, METHODS, NF4_BYTES, NF4_LAYER_BYTES,
+                                               TRAINABLE_BYTES,
                                                ZERO_STAGES, Plan, estimate, shard)
 from my_utils.core.pipeline import SCHEDULES, in_flight
 from my_utils.tools.planner.model_parallel import split_estimate, tensor_shard
@@ -68,6 +72,7 @@ __all__ = [
     "DTYPES",
     "METHODS",
     "NF4_BYTES",
+    "NF4_LAYER_BYTES",
     "TRAINABLE_BYTES",
     "ZERO_STAGES",
     "Plan",

@@ -12,7 +12,9 @@ from my_utils.tools.planner.layout import (Architecture, in_block, lora_modules,
 
 METHODS = ("full", "lora", "qlora")
 DTYPES = {"fp32": 4, "bf16": 2}
-NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits + an 8-bit absmax per 64 weights + an fp32 per 256 blocks
+NF4_CONSTANTS = 1 / 64 + 4 / (64 * 256)  # per weight: an 8-bit absmax per 64 weights + an fp32 one per 256 blocks
+NF4_BYTES = 0.5 + NF4_CONSTANTS  # and the 4 bits
+NF4_LAYER_BYTES = 4 * (16 + 256)  # each 4-bit layer's code tables (fp32): NF4's 16 values, double quantization's 256
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32
 TRAINABLE_BYTES = 4  # trainable parameters and their gradients are fp32 (LoRA adapters, full-FT master weights)
 
@@ -65,8 +67,9 @@ class Plan:
         split = "".join([", this process's share" if self.tp > 1 or self.pp > 1 else "",
                          f", tensor parallel over {self.tp}" if self.tp > 1 else "",
                          f", stage {self.stage} of {self.pp}" if self.pp > 1 else ""])
+        kept_whole = ", the 4-bit constants whole" if self.method == "qlora-4bit" else ""
         rows = [("weights", self.weights, f"{self.total_params:,} parameters" + split
-                 + (shard if self.zero >= 2 else ""))]
+                 + (shard + kept_whole if self.zero >= 2 else ""))]
         if self.gathered:
             rows.append(("gathered weights", self.gathered, "every weight, whole, from forward to backward"
                          if self.zero == 2 else "the root unit and one block, whole"))
@@ -99,8 +102,16 @@ class Plan:
 ZERO_STAGES = (0, 1, 2, 3)
 
 
+def nf4_constants(arch: Architecture) -> float:
+    """The bytes of a 4-bit model's quantization constants: the absmax values and each layer's code tables."""
+    quantized = sum(arch.linears[n][0] * arch.linears[n][1] for n in arch.quantizable)
+    return quantized * NF4_CONSTANTS + NF4_LAYER_BYTES * len(arch.quantizable)
+
+
 def shard(plan: Plan, arch: Architecture, zero: int) -> Plan:
-    """``plan`` (plain DDP) with ZeRO stage ``zero`` over its processes (see the module's docstring)."""
+    """``plan`` (plain DDP) with ZeRO stage ``zero`` over its processes (see the module's docstring). Over a 4-bit
+    base (QLoRA) FSDP2 shards the packed weights (half a byte each); their quantization constants, which
+    bitsandbytes keeps on each module outside the parameters, stay whole in every process."""
     from dataclasses import replace
 
     if not zero:
@@ -109,12 +120,15 @@ def shard(plan: Plan, arch: Architecture, zero: int) -> Plan:
     if zero == 1:
         return replace(plan, zero=1, optimizer=plan.optimizer / n)
     # FSDP2: no DDP buckets; the weights stored as shards and gathered whole for compute
-    whole = plan.weights
-    block = 4 * sum(i * o + (o if bias else 0) for name, (i, o, bias) in arch.linears.items() if in_block(name))
+    packed = frozenset(arch.quantizable) if plan.method == "qlora-4bit" else frozenset()
+    constants = nf4_constants(arch) if packed else 0.0
+    whole = plan.weights - constants
+    block = sum(i * o * (0.5 if name in packed else 4) + (4 * o if bias else 0)
+                for name, (i, o, bias) in arch.linears.items() if in_block(name))
     block /= arch.layers
     root = max(whole - block * arch.layers, 0.0)
-    return replace(plan, zero=zero, weights=whole / n, gradients=plan.gradients / n, optimizer=plan.optimizer / n,
-                   ddp_buckets=0.0, gathered=whole if zero == 2 else root + block)
+    return replace(plan, zero=zero, weights=whole / n + constants, gradients=plan.gradients / n,
+                   optimizer=plan.optimizer / n, ddp_buckets=0.0, gathered=whole if zero == 2 else root + block)
 
 
 def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: int = 8, targets=(), batch: int,
@@ -142,7 +156,7 @@ def estimate(arch: Architecture, method: str, *, quantize: str = "none", rank: i
     else:
         quantized = sum(arch.linears[n][0] * arch.linears[n][1] for n in arch.quantizable)
         rows = sum(arch.linears[n][1] for n in arch.quantizable)
-        stored = quantized * NF4_BYTES if quantize == "4bit" else quantized + 4 * rows
+        stored = quantized / 2 + nf4_constants(arch) if quantize == "4bit" else quantized + 4 * rows
         weights = stored + (arch.total_params - quantized) * 4 + trainable * TRAINABLE_BYTES
     gradients = trainable * TRAINABLE_BYTES
     optimizer = trainable * ADAMW_STATE_BYTES

@@ -94,8 +94,12 @@ def check_zero(zero: int, processes: int, quantize: str) -> None:
         raise UserError(f"--zero {zero} is not a ZeRO stage; choose one of {', '.join(map(str, ZERO_STAGES))}.")
     if zero and processes < 2:
         raise UserError(f"ZeRO shards over processes: --zero {zero} needs --processes 2 or more.")
-    if zero and quantize != "none":
-        raise UserError("The planner does not model ZeRO over quantized weights; plan --zero with full or lora.")
+    if zero and quantize == "8bit":
+        raise UserError("The planner models ZeRO over 4-bit weights only (lesson 15 measures FSDP2 over them); plan "
+                        "--zero with full, lora or qlora.")
+    if zero == 1 and quantize != "none":
+        raise UserError("ZeRO-1 shards the optimizer states, which QLoRA's adapters hardly have; plan qlora with "
+                        "--zero 2 or 3 (FSDP2).")
 
 
 def _method(method: str, quantize: str | None) -> tuple[str, str]:
