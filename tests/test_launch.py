@@ -18,6 +18,16 @@ def test_more_processes_than_cores_is_refused(monkeypatch):
             launch.check_process_count(bad)
 
 
+def test_more_cpu_processes_than_cores_run_when_asked_for(monkeypatch):
+    monkeypatch.setattr(launch, "max_processes", lambda: 2)
+    monkeypatch.setattr(launch, "is_cpu_only", lambda: True)
+    monkeypatch.setenv(launch.OVERSUBSCRIBE, "1")
+    launch.check_process_count(4)  # allowed: each process waits its turn on the 2 cores
+    monkeypatch.setattr(launch, "is_cpu_only", lambda: False)  # GPUs are not shared that way
+    with pytest.raises(UserError, match="4 processes asked for but this machine has 2 GPUs"):
+        launch.check_process_count(4)
+
+
 def test_preflight_refuses_launch_unsafe_imports(monkeypatch):
     monkeypatch.setattr(launch, "max_processes", lambda: 2)
     monkeypatch.setitem(sys.modules, "bitsandbytes", object())

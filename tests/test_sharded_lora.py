@@ -16,10 +16,10 @@ from my_utils.core.paths import REPO_ROOT
 ARGS = ["--preset", "tiny", "--max-steps", "6", "--save-steps", "2", "--dropout", "0.1"]
 
 
-def sharded_lora(out, *extra, **env):
+def sharded_lora(out, *extra, processes=2, **env):
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1",
                    **{k: str(v) for k, v in env.items()}}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
            "-m", "my_utils.workflows.sharded_lora", *ARGS, *extra, "--output-dir", str(out)]
     return subprocess.run(cmd, env=environment, capture_output=True, text=True, timeout=600)
 
@@ -84,6 +84,35 @@ def test_a_resumed_run_restores_the_adapter_on_every_rank(uninterrupted, tmp_pat
 
     a, b = (load_file(o / "adapter" / "adapter_model.safetensors") for o in (uninterrupted, out))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_run_of_2_processes_resumes_on_4_with_the_same_global_batch(tmp_path):
+    """The checkpoint is whole, so 4 processes continue what 2 started: with the global batch kept (2 x 4 = 4 x 2),
+    the same examples each step and the uninterrupted run's losses (dropout off: the ranks' masks cannot carry
+    over). With the batch per process kept instead, the resume is refused in one sentence and changes nothing."""
+    no_dropout = ["--dropout", "0", "--local-batch-size", "4"]
+    whole = sharded_lora(tmp_path / "whole", *no_dropout)
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    out = tmp_path / "crashed"
+    assert sharded_lora(out, *no_dropout, COURSE_CRASH_AT_STEP=3).returncode != 0  # checkpoint-2 is the newest
+    before = (out / "run.json").read_text()
+    more = {"processes": 4, "COURSE_OVERSUBSCRIBE": 1}  # 4 processes on the 2 cores the tests may have
+    kept_local = sharded_lora(out, "--resume", "--dropout", "0", "--local-batch-size", "4", **more)
+    said = "trained global batches of 8 (4 per process on 2); on 4 process(es) resume with --local-batch-size 2."
+    assert kept_local.returncode != 0 and said in kept_local.stderr, kept_local.stderr[-3000:]
+    assert (out / "run.json").read_text() == before
+    resumed = sharded_lora(out, "--resume", "--dropout", "0", "--local-batch-size", "2", **more)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed on 4 process(es) from a run on 2" in resumed.stdout
+    run = json.loads((out / "run.json").read_text())
+    assert run["world_size"] == 4 and run["status"] == "complete"  # as the resumed workers saw it
+    assert (run["config"]["num_processes"], run["config"]["local_batch_size"]) == (4, 2)
+    assert run["resumes"][-1]["layout_before"] == {"world_size": 2, "num_processes": 2, "local_batch_size": 4}
+    steps, expected = zip(*losses(tmp_path / "whole"))
+    got = dict(losses(out))
+    assert sorted(got) == list(steps)
+    assert [got[step] for step in steps] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -166,14 +166,16 @@ def _comparable(value):
 
 
 def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_size: int,
-               command: list[str] | None = None) -> tuple[Run | None, Path, Path]:
+               command: list[str] | None = None, layout: dict | None = None) -> tuple[Run | None, Path, Path]:
     """Continue the results folder ``run_dir`` from the newest whole checkpoint in its ``checkpoints`` folder.
 
     Rank 0 picks the checkpoint (``find_resume_checkpoint``: one sentence and nothing changed when there is
     none), sets aside the newer ones that were cut short, keeps the metrics rows up to the checkpoint's step
     (the resumed run logs the later steps again), and puts run.json back to ``running`` with the resume
-    recorded under ``resumes``. Every rank must call it; returns (the Run on rank 0 or None elsewhere, the
-    folder, the checkpoint).
+    recorded under ``resumes``. A run resumes on the number of processes it trained on, unless the workflow's
+    checkpoints are whole and it passes ``layout``: the settings that may change with the count (the workflow has
+    checked that what they train stays), which run.json then records as resumed, the previous ones in the resume.
+    Every rank must call it; returns (the Run on rank 0 or None elsewhere, the folder, the checkpoint).
     """
     from accelerate import PartialState
 
@@ -184,7 +186,7 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
         try:
             info = read_json(run_dir / "run.json")
             recorded_world = info.get("world_size")
-            if recorded_world is not None and recorded_world != world_size:
+            if recorded_world is not None and recorded_world != world_size and layout is None:
                 raise UserError(f"The run in {run_dir} trained on {recorded_world} process(es), not {world_size}; "
                                 "resume it with the same number of processes.")
             hold_folder(run_dir, "The run in")  # two resumes of one run: the second stops here, changing nothing
@@ -200,8 +202,14 @@ def reopen_run(run_dir: str | Path, checkpoints: str = "checkpoints", *, world_s
                       "previous_error": info.get("error"), "set_aside": moved,
                       "command": redact_secrets(command if command is not None
                                                 else [os.path.basename(sys.argv[0]), *sys.argv[1:]])}
+            relaid = {}
+            if layout is not None and recorded_world != world_size:
+                resume["layout_before"] = {"world_size": recorded_world,
+                                           **{key: info["config"].get(key) for key in layout}}
+                relaid = {"world_size": world_size, "config": {**info["config"], **layout}}
             run.update(status="running", finished=None, error=None, resumes=[*info.get("resumes", []), resume],
-                       pid=os.getpid(), host=socket.gethostname(), writer_lock=True)  # the resumed run's writer
+                       pid=os.getpid(), host=socket.gethostname(), writer_lock=True,  # the resumed run's writer
+                       **relaid)
             outcome = [str(checkpoint), None]
         except UserError as e:
             outcome = [None, str(e)]
@@ -347,7 +355,7 @@ def _agree_object(obj, world_size: int):
 
 @contextmanager
 def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints: str | None = None,
-                  report_to=None, **fields):
+                  report_to=None, layout: tuple[str, ...] | None = None, **fields):
     """Open the results folder of ``cfg`` (a workflow's settings, every default already resolved: run.json records
     them as they are) and live the run: ``cfg.output_dir`` or a new folder under ``default_dir``; with
     ``cfg.resume``, the same folder continued from the newest whole checkpoint in its ``checkpoints`` subfolder.
@@ -358,14 +366,16 @@ def run_lifecycle(cfg, world_size: int, *, default_dir: str | Path, checkpoints:
     accelerate still holds can hang).
     ``fields`` (workflow, ...) go into run.json beside the world size, backend, devices and threads. Every metrics
     line also goes to the trackers ``report_to`` names (default: ``cfg.report_to``; a body that hands them to
-    accelerate itself passes ``()``).
+    accelerate itself passes ``()``). ``layout``: the settings that may change when a run resumes on another number
+    of processes (``reopen_run``; none: it resumes on the same number).
     """
     threads = set_threads()
     faults.last_step = None  # this run's steps (a notebook's kernel may have trained another before)
     report_to = getattr(cfg, "report_to", ()) if report_to is None else report_to
     checkpoint = None
     if getattr(cfg, "resume", False):
-        run, folder, checkpoint = reopen_run(cfg.output_dir, checkpoints, world_size=world_size)
+        run, folder, checkpoint = reopen_run(cfg.output_dir, checkpoints, world_size=world_size,
+                                             layout=None if layout is None else {k: getattr(cfg, k) for k in layout})
         print0(f"resuming {folder} from {checkpoint.relative_to(folder)}")
     else:
         run, folder = open_run(cfg.output_dir, default_dir, as_record(cfg), world_size=world_size,

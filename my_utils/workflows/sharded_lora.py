@@ -10,6 +10,10 @@ optimizer's state is broadcast from rank 0 into every rank's shards.
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.sharded_lora --preset tiny --save-steps 2
     ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 -m my_utils.workflows.sharded_lora --preset tiny --save-steps 2 \\
         --output-dir runs/sharded_lora/mine --resume
+
+A checkpoint holds the adapter and the optimizer whole, so a run resumes on another number of processes as well, given
+the same global batch (``--local-batch-size`` times the processes): ``torchrun --nproc_per_node 1 ... --resume
+--local-batch-size 8`` continues a run of 2 processes with 4 each.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec, complete_adapter_folder
 from my_utils.core.models import add_adapter, check_lora_targets, load_tokenizer
 from my_utils.core.paths import RUNS_ROOT
+from my_utils.core.printing import print0
 from my_utils.run.checkpoints import load_rng_state, saved_step
 from my_utils.run.cli import command_line, file_system_refusal
 from my_utils.run.config import LocalBatchSettings, check_choice, setting
@@ -33,7 +38,10 @@ from my_utils.workflows.sharding import rank_batches, start_worker
 
 STAGES = ("zero2", "zero3")
 CHECKPOINTS = "checkpoints"
-RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "save_steps", "timeout_s"})  # where and how, not what it trains
+# where and how, not what it trains; the process count and the batch per process too, if the global batch stays
+# (check_same_global_batch): the checkpoint is whole, and the ranks' batches together are the same examples
+LAYOUT = ("num_processes", "local_batch_size")
+RESUME_MAY_DIFFER = frozenset({"resume", "output_dir", "save_steps", "timeout_s", *LAYOUT})
 
 
 DESCRIPTION = ("LoRA on a base sharded with FSDP2 (ZeRO-2 or 3): the adapter saved whole, checkpoints that resume on "
@@ -73,6 +81,23 @@ def validate(cfg: Config):
 def resolve(cfg: Config, preset, world_size: int) -> Config:
     return replace(cfg, **cfg.settled(preset), adapter=cfg.adapter.resolved(preset.lora_targets),
                    num_processes=world_size)
+
+
+def check_same_global_batch(cfg: Config, world_size: int) -> int:
+    """Before resuming on ``world_size`` processes: the global batch is the one the run trained with, whatever the
+    process count; returns the process count it trained on. The sampler deals each step's examples out to the
+    ranks, so the same global batch is the same examples at every step, on any number of processes."""
+    from my_utils.run.results import read_json
+
+    recorded = read_json(Path(cfg.output_dir) / "run.json")["config"]
+    before, per_process = recorded["num_processes"], recorded["local_batch_size"]
+    wanted = before * per_process
+    if cfg.global_batch(world_size) != wanted:
+        fits = f"--local-batch-size {wanted // world_size}" if wanted % world_size == 0 else None
+        raise UserError(f"The run in {cfg.output_dir} trained global batches of {wanted} ({per_process} per process "
+                        f"on {before}); on {world_size} process(es) resume with "
+                        + (fits if fits else f"a process count that divides {wanted}") + ".")
+    return before
 
 
 def sharded_lora_model(base, cfg: Config, checkpoint: Path | None):
@@ -164,8 +189,11 @@ def train(cfg: Config) -> dict:
 
     cfg, world_size, dataset, base = start_worker(cfg, preset, resolve, "sharded_lora")
     check_lora_targets(base, cfg.adapter.targets, cfg.adapter.rank)  # before the results folder exists
+    trained_on = check_same_global_batch(cfg, world_size) if cfg.resume else world_size
+    if cfg.resume:
+        dist.barrier()  # every rank has read run.json before rank 0 rewrites it for the resume
     with run_lifecycle(cfg, world_size, default_dir=RUNS_ROOT / "sharded_lora" / f"{cfg.preset}_{cfg.stage}",
-                       checkpoints=CHECKPOINTS, workflow="sharded_lora") as life:
+                       checkpoints=CHECKPOINTS, workflow="sharded_lora", layout=LAYOUT) as life:
         write_worker_report(life.folder, worker_report())
         model = sharded_lora_model(base, cfg, life.checkpoint)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate,
@@ -173,7 +201,11 @@ def train(cfg: Config) -> dict:
         done, losses = 0, []
         if life.checkpoint is not None:
             restore_optimizer(model, optimizer, life.checkpoint)
-            load_rng_state(life.checkpoint, dist.get_rank())
+            if trained_on == world_size:
+                load_rng_state(life.checkpoint, dist.get_rank())
+            else:  # each rank drew its own masks for its own part of the batch: there is no state to give back
+                print0(f"resumed on {world_size} process(es) from a run on {trained_on}: the same examples and "
+                       "weights, but fresh random states (adapter dropout draws other masks)")
             done = saved_step(life.checkpoint)  # from its sealed manifest, not its folder's name
         batches = rank_batches(dataset, cfg, world_size)
         for _ in range(done):  # the batches the checkpoint had already trained on
