@@ -28,7 +28,9 @@ def test_dry_run_lists_every_part_and_writes_nothing(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert {line.split()[0] for line in lines} == set(gpucheck.PARTS)
     skipped = {line.split()[1]: line.split("skipped: ", 1)[1] for line in lines if "skipped: " in line}
-    assert skipped == {"pytest": "no CUDA device here", "lora_fp16": "fp16 mixed precision needs a GPU"}
+    levers = "a GPU's figure (lesson 15 measures the levers on a CPU)"
+    assert skipped == {"pytest": "no CUDA device here", "lora_fp16": "fp16 mixed precision needs a GPU",
+                       "lora_compile": levers, "lora_checkpointing": levers}
     assert sum(line.startswith("planner") for line in lines) == 12  # 3 architectures x LoRA, full x 2 losses
     assert not out.exists()
 
@@ -104,6 +106,28 @@ def test_checks_fail_when_their_figures_say_so():
     parts["tests"]["commands"]["pytest"]["figures"]["failed"] = []
     found = {c["claim"].split(" ", 3)[1]: c for c in gpucheck.checks(parts, cuda=True, quick=False)}
     assert found["GPU"]["holds"] and found["memory"]["holds"] and found["planner"]["holds"]
+
+
+def test_the_levers_checks_hold_only_when_their_gpu_figures_do():
+    def series(**figures):
+        return {"status": "ok", "figures": {"memory_columns_filled": True, "mixed_precision": "bf16",
+                                            "eval_loss_before": 2.0, "eval_loss": 1.0, "tokens_per_s": 100.0,
+                                            "peak_memory_bytes": 1000, "compiled_graphs": None, **figures}}
+
+    parts = {part: {"commands": {}} for part in gpucheck.PARTS}
+    parts["series"]["commands"] = {"lora": series(), "lora_compile": series(compiled_graphs=0),
+                                   "lora_checkpointing": series(peak_memory_bytes=1200)}
+    found = {c["claim"].split(" ", 2)[1]: c for c in gpucheck.checks(parts, cuda=True, quick=True)}
+    assert not found["(--compile)"]["holds"]  # nothing compiled
+    assert not found["checkpointing"]["holds"]  # a peak that rose
+    parts["series"]["commands"]["lora_compile"] = series(compiled_graphs=2, eval_loss=1.005, tokens_per_s=150.0)
+    parts["series"]["commands"]["lora_checkpointing"] = series(peak_memory_bytes=600, tokens_per_s=75.0)
+    found = {c["claim"].split(" ", 2)[1]: c for c in gpucheck.checks(parts, cuda=True, quick=True)}
+    assert found["(--compile)"]["holds"] and "1.50x eager's" in found["(--compile)"]["measured"]
+    assert found["checkpointing"]["holds"] and found["checkpointing"]["measured"].startswith("peak 0.60x")
+    parts["series"]["commands"]["lora_compile"] = series(compiled_graphs=2, eval_loss=1.5)  # trains off eager
+    found = {c["claim"].split(" ", 2)[1]: c for c in gpucheck.checks(parts, cuda=True, quick=True)}
+    assert not found["(--compile)"]["holds"]
 
 
 def test_published_peaks_tell_the_h100_variants_apart():

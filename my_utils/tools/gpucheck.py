@@ -92,8 +92,11 @@ def plan_jobs(cuda: bool, quick: bool, bf16: bool) -> list[Job]:
                                     "{out}/junit.xml", "tests/test_gpu.py", "tests/test_chunked_loss.py"],
                 skip=no_cuda or ("--quick runs no tests" if quick else None))]
     lora = [*workflow, "my_utils.workflows.lora", "--preset", "tiny", *short, "--output-dir", "{out}"]
+    levers = None if cuda else "a GPU's figure (lesson 15 measures the levers on a CPU)"
     for name, extra, skip in (("lora", [], None), ("lora_fp16", ["--mixed-precision", "fp16"],
                                                    None if cuda else "fp16 mixed precision needs a GPU"),
+                              ("lora_compile", ["--compile"], levers),
+                              ("lora_checkpointing", ["--gradient-checkpointing"], levers),
                               ("full", ["--method", "full"], None), ("qlora_8bit", ["--quantize", "8bit"], None),
                               ("qlora_4bit", ["--quantize", "4bit"], None)):
         jobs.append(Job("series", name, lora + extra, skip=skip))
@@ -201,7 +204,7 @@ def series_figures(run: dict) -> dict:
     figures = {"label": label_of(run["run"], summary)} | {key: summary.get(key) for key in (
         "method", "mixed_precision", "steps", "eval_loss_before", "eval_loss", "exact_match_before",
         "exact_match_after", "accuracy_before", "accuracy_after", "train_loss_first", "train_loss_final", "runtime_s", "tokens_per_s",
-        "peak_memory_bytes", "quantization") if key in summary}
+        "peak_memory_bytes", "quantization", "compiled_graphs") if key in summary}
     memory = summary.get("memory") or []
     columns = ("allocated", "reserved", "peak_allocated", "peak_reserved")
     on_cuda = bool(memory) and memory[0]["end"]["device"].startswith("cuda")  # a CPU has no allocator's columns
@@ -331,6 +334,21 @@ def checks(parts: dict, cuda: bool, quick: bool) -> list[dict]:
         check("LoRA trains in fp16 mixed precision (the gradient scaler's path)",
               f"held-out loss {f['eval_loss_before']:.3f} -> {f['eval_loss']:.3f}",
               math.isfinite(f["eval_loss"]) and f["eval_loss"] < f["eval_loss_before"])
+    if "lora" in runs and "lora_compile" in runs:  # the levers on a GPU, against LoRA's run as it is
+        eager, compiled = runs["lora"], runs["lora_compile"]
+        check("torch.compile (--compile) trains LoRA as eager does on a GPU, the graphs counted",
+              f"{compiled['compiled_graphs']} graph(s); held-out loss {compiled['eval_loss']:.4f} against "
+              f"{eager['eval_loss']:.4f}; tokens/s {compiled['tokens_per_s'] / eager['tokens_per_s']:.2f}x eager's "
+              "(its first steps compile)",
+              (compiled["compiled_graphs"] or 0) >= 1 and abs(compiled["eval_loss"] / eager["eval_loss"] - 1) <= 0.01)
+    if "lora" in runs and "lora_checkpointing" in runs:
+        eager, recomputed = runs["lora"], runs["lora_checkpointing"]
+        check("activation checkpointing lowers LoRA's peak on a GPU and leaves its loss",
+              f"peak {recomputed['peak_memory_bytes'] / eager['peak_memory_bytes']:.2f}x; tokens/s "
+              f"{recomputed['tokens_per_s'] / eager['tokens_per_s']:.2f}x; held-out loss {recomputed['eval_loss']:.4f} "
+              f"against {eager['eval_loss']:.4f}",
+              recomputed["peak_memory_bytes"] < eager["peak_memory_bytes"]
+              and abs(recomputed["eval_loss"] / eager["eval_loss"] - 1) <= 0.01)
     losses = seed_losses(runs)
     if "lora" in losses and len(losses) > 1 and not quick:  # two steps of --quick teach the tiny model nothing
         versus = {n: difference(v, losses["lora"]) for n, v in losses.items() if n != "lora" and len(v) > 1}
