@@ -10,6 +10,11 @@ Instruction rows are ``{"instruction", "input", "output", "family"}``. The task 
   ``instructions_eval.jsonl``, the data of the fine-tuning lessons: the pretrained model has never seen these
   tasks, so exact match starts near zero and fine-tuning visibly teaches them. No eval input occurs in train.
 
+Preference pairs (``preferences_train.jsonl``, ``preferences_eval.jsonl``, for DPO) are built from the held-out
+instruction rows: ``{"prompt", "chosen", "rejected", "corruption", "family"}``, the prompt as the course formats it,
+the reference answer chosen, and a corrupted one rejected, with the corruption said: a count off by one, or a lambda
+whose body uses a name it does not take, or another input's answer.
+
 The classification set is ``{"text", "label"}``: short sentences about one of four topics (label names in
 ``classification_labels.json``). Some sentences carry a word from another topic and a few labels are flipped,
 so a small encoder learns it quickly but not perfectly.
@@ -25,8 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import zlib
 from pathlib import Path
+
+from my_utils.core.data import format_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "assets" / "tiny" / "data"
@@ -327,6 +335,30 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+def corrupt(row: dict, rows: list[dict], rng: random.Random) -> tuple[str, str]:
+    """A wrong answer to ``row`` and what was done to it (never the right answer)."""
+    if row["family"] == "list_length":
+        count = int(row["output"])
+        return str(count + 1 if count == 0 or rng.random() < 0.5 else count - 1), "the count off by one"
+    head, body = row["output"].split(": ", 1)
+    name = head.split()[-1].split(",")[0]  # the lambda's (first) parameter
+    word = re.compile(rf"\b{re.escape(name)}\b")
+    if rng.random() < 0.5 and word.search(body):
+        return f"{head}: {word.sub('x' if name != 'x' else 'y', body)}", "a name the lambda does not take"
+    other = rng.choice([r for r in rows if r["family"] == row["family"] and r["output"] != row["output"]])
+    return other["output"], "another input's answer"
+
+
+def make_preferences(rng: random.Random, rows: list[dict]) -> list[dict]:
+    """One preference pair per instruction row: its answer chosen, a corruption of it rejected."""
+    pairs = []
+    for row in rows:
+        rejected, corruption = corrupt(row, rows, rng)
+        pairs.append({"prompt": format_prompt(row), "chosen": row["output"], "rejected": rejected,
+                      "corruption": corruption, "family": row["family"]})
+    return pairs
+
+
 def generate(out: Path) -> dict[str, int]:
     """Write every data file to ``out``; return the number of rows per file."""
     out.mkdir(parents=True, exist_ok=True)
@@ -339,6 +371,9 @@ def generate(out: Path) -> dict[str, int]:
     seen: set[str] = set()
     files["classification_eval.jsonl"] = make_classification(rng, N_CLASSIFICATION_EVAL, labels, seen)
     files["classification_train.jsonl"] = make_classification(rng, N_CLASSIFICATION_TRAIN, labels, seen)
+    preference_rng = random.Random(SEED + 1)  # its own: the files above stay as they were
+    for split in ("train", "eval"):
+        files[f"preferences_{split}.jsonl"] = make_preferences(preference_rng, files[f"instructions_{split}.jsonl"])
     for name, rows in files.items():
         write_jsonl(out / name, rows)
     (out / "classification_labels.json").write_text(json.dumps(labels) + "\n", encoding="utf-8")

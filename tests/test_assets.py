@@ -193,3 +193,20 @@ def test_the_tiny_llama_is_smollm2s_architecture_at_the_tiny_presets_size():
     assert config.model_type == "llama" and config.num_key_value_heads < config.num_attention_heads
     assert (config.hidden_size, config.num_hidden_layers) == (tiny.n_embd, tiny.n_layer)
     assert config.vocab_size == len(load_tokenizer(get_preset("tiny"))) and not config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_preference_pairs_choose_the_reference_answer_and_reject_a_corruption_of_it(split):
+    """Each pair: the instruction row's prompt as the course formats it, its answer chosen, a wrong one rejected,
+    and what made it wrong."""
+    pairs = [json.loads(line) for line in (DATA / f"preferences_{split}.jsonl").read_text().splitlines()]
+    rows = read_jsonl(DATA / f"instructions_{split}.jsonl", INSTRUCTION_COLUMNS)
+    assert len(pairs) == len(rows)
+    for pair, row in zip(pairs, rows):
+        assert pair["prompt"] == format_prompt(row) and pair["chosen"] == row["output"]
+        assert pair["rejected"] != pair["chosen"] and pair["family"] == row["family"]
+    kinds = {pair["corruption"] for pair in pairs}
+    assert kinds == {"the count off by one", "a name the lambda does not take", "another input's answer"}
+    for pair in pairs:
+        if pair["corruption"] == "the count off by one":
+            assert abs(int(pair["rejected"]) - int(pair["chosen"])) == 1
