@@ -52,11 +52,14 @@ def start_cluster(lesson: Path) -> Path:
 def job_env(folder: Path, base: dict | None = None, **more: str) -> dict:
     """The environment sbatch passes to a job on the cluster in ``folder``: ``base`` (default: this process's), the
     cluster's SLURM_CONF, the scripts' CPU switch (COURSE_CPU=1) where there is no GPU, this Python first on PATH, the
-    repository importable, one thread per process, and ``more``."""
+    repository importable, one thread per process, a join bounded by 2 minutes, and ``more``."""
     from my_utils.run.launch import is_cpu_only
 
     base = dict(os.environ if base is None else base)
-    env = {**base, "SLURM_CONF": cluster.slurm_env(folder)["SLURM_CONF"], "OMP_NUM_THREADS": "1", **more,
+    # the tiny jobs join in seconds: a node that cannot (a port another process holds, say) ends the job with the
+    # scripts' sentence in 2 minutes, not in their default 10, after a notebook cell would have timed out
+    env = {**base, "SLURM_CONF": cluster.slurm_env(folder)["SLURM_CONF"], "OMP_NUM_THREADS": "1",
+           "COURSE_JOIN_TIMEOUT_S": "120", **more,
            "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{base['PATH']}",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), base.get("PYTHONPATH")]))}
     if is_cpu_only():
