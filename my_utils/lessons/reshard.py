@@ -206,18 +206,24 @@ def export_pretrained(model, folder: Path, input_ids) -> dict:
     return {"weight_gap": largest_gap(model.state_dict(), reloaded.state_dict()), "logit_gap": logit_gap}
 
 
-def main(argv=None) -> None:
+def worker_main(run, module: str, doc: str, argv=None) -> None:
+    """The command line of a lesson's worker module run by torchrun (this one, ``sharded_qlora``):
+    ``run(preset, out)``, then the process group torn down."""
     from my_utils.run.signals import end_process_group
 
-    p = argparse.ArgumentParser(prog="python -m my_utils.lessons.reshard", description=__doc__,
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--out", type=Path, required=True, help="the folder for the checkpoints and sharded.json")
+    p.add_argument("--out", type=Path, required=True, help="the folder it writes its files into")
     args = p.parse_args(argv)
     try:
-        train_save_resume(args.preset, args.out)
+        run(args.preset, args.out)
     finally:
         end_process_group()
+
+
+def main(argv=None) -> None:
+    worker_main(train_save_resume, "my_utils.lessons.reshard", __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ many of those packed words would read as bf16 NaNs if they were, and how many a 
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -129,17 +128,9 @@ def compare(preset_name: str, out: Path) -> dict:
 
 
 def main(argv=None) -> None:
-    from my_utils.run.signals import end_process_group
+    from my_utils.lessons.reshard import worker_main
 
-    p = argparse.ArgumentParser(prog="python -m my_utils.lessons.sharded_qlora", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--out", type=Path, required=True, help="the folder for sharded_qlora.json")
-    args = p.parse_args(argv)
-    try:
-        compare(args.preset, args.out)
-    finally:
-        end_process_group()
+    worker_main(compare, "my_utils.lessons.sharded_qlora", __doc__, argv)
 
 
 if __name__ == "__main__":
