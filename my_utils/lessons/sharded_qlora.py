@@ -52,8 +52,10 @@ def packed_as_bf16(model) -> dict:
 
 
 def frozen_bytes(model) -> int:
-    """The bytes of the frozen base this process holds: its shards where sharded (``to_local``), else the whole."""
-    return sum(local(p).nbytes for p in model.parameters() if not p.requires_grad)
+    """The bytes of the frozen base this process holds: its shards where sharded, else the whole."""
+    from my_utils.workflows.sharding import local_bytes
+
+    return local_bytes(p for p in model.parameters() if not p.requires_grad)
 
 
 def weight_bytes(model) -> int:
@@ -62,19 +64,16 @@ def weight_bytes(model) -> int:
     double quantization its own absmax and code tables): outside the parameters, so never sharded."""
     import bitsandbytes as bnb
 
-    constants = 0
+    from my_utils.workflows.sharding import local_bytes
+
+    constants = []
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             state = module.quant_state
-            constants += state.absmax.nbytes + state.code.nbytes
+            constants += [state.absmax, state.code]
             if state.nested:
-                constants += state.state2.absmax.nbytes + state.state2.code.nbytes
-    return sum(local(p).nbytes for p in model.parameters()) + constants
-
-
-def local(parameter):
-    """This process's part of ``parameter``: its shard (a DTensor's local tensor), or the whole."""
-    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
+                constants += [state.state2.absmax, state.state2.code]
+    return local_bytes(model.parameters()) + local_bytes(constants)
 
 
 def shard(model) -> None:
