@@ -12,8 +12,9 @@ optimizer's state is broadcast from rank 0 into every rank's shards.
         --output-dir runs/sharded_lora/mine --resume
 
 A checkpoint holds the adapter and the optimizer whole, so a run resumes on another number of processes as well, given
-the same global batch (``--local-batch-size`` times the processes): ``torchrun --nproc_per_node 1 ... --resume
---local-batch-size 8`` continues a run of 2 processes with 4 each.
+the same global batch (``--local-batch-size`` times the processes): ``torchrun --nproc_per_node 4 ... --resume
+--local-batch-size 2`` continues a run of 2 processes with 4 each (``COURSE_OVERSUBSCRIBE=1`` where a CPU has fewer
+cores than that).
 """
 
 from __future__ import annotations
