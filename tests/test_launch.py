@@ -243,7 +243,7 @@ def test_an_error_every_rank_finds_is_printed_once(subprocess_env, tmp_path):
     no worker prints a traceback."""
     import subprocess
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "my_utils.workflows.ddp",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "my_utils.workflows.ddp",
            "--preset", "tiny", "--num-processes", "3", "--output-dir", str(tmp_path / "run")]
     proc = subprocess.run(cmd, env=subprocess_env, capture_output=True, text=True, timeout=300)
     said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("ddp: error:")]
@@ -355,7 +355,7 @@ def test_which_launcher_needs_accelerate_use_cpu_as_the_docs_say(tmp_path, subpr
     env = {k: v for k, v in subprocess_env.items() if k != "ACCELERATE_USE_CPU"}
     script = tmp_path / "plain.py"
     script.write_text("from accelerate import Accelerator\nprint('world', Accelerator().num_processes)\n")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     plain = subprocess.run([*torchrun, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0 and plain.stdout.count("world 1") == 2, plain.stdout + plain.stderr[-2000:]
     out = tmp_path / "tp"

@@ -89,7 +89,7 @@ def test_a_tied_embedding_stays_whole_and_the_step_still_equals_the_unsplit_mode
 
     script = tmp_path / "tied.py"
     script.write_text(TIED_CHECK)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
                           env=subprocess_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
@@ -186,7 +186,7 @@ def test_a_workflow_prints_no_warning_or_profiler_line_of_its_own(workflow, tmp_
     import sys
 
     out = tmp_path / workflow
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
                            f"my_utils.workflows.{workflow}", "--preset", "tiny", "--output-dir", str(out)],
                           env=subprocess_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
