@@ -433,6 +433,16 @@ HOSTILE = [
     ("lora", ["--data-file", "{tmp}/" + TOKEN + "/rows.jsonl"], "Data file .*/<redacted>/rows.jsonl does not exist"),
     ("lora", ["--seed", TOKEN], "argument --seed: invalid int value: '<redacted>'"),
     ("lora", ["--max-length", "100000000"], "max_length 100000000 is longer than the model allows \\(256\\)"),
+    ("dpo", ["--data-file", "{tmp}/no_rejected.jsonl"], "Line 2 of .* has no column 'rejected'; every row needs "
+     "prompt, chosen, rejected"),
+    ("dpo", ["--beta", "abc"], "argument --beta: invalid float value: 'abc'"),
+    ("dpo", ["--beta", "0"], "--beta must be a positive number, got 0.0"),
+    ("dpo", ["--output-dir", "{run}/dpo"], "is inside the results folder"),
+    ("dpo", ["--preset", "gpt2", "--random-init"], "The alpaca data has no preference pairs shipped; give --data-file"),
+    ("grpo", ["--reward", "length"], "argument --reward: invalid choice: 'length'"),
+    ("grpo", ["--num-generations", "3"], "--num-generations 3 does not divide the global batch of 8 answers"),
+    ("grpo", ["--beta", "nan"], "--beta must be a number from 0 up, got nan"),
+    ("grpo", ["--data-file", "{tmp}/one_row.jsonl"], "has 1 row; it needs at least 2"),
     ("plan", ["--memory", "0"], "The memory size '0' is not positive"),
     ("plan", ["--memory=-5GiB"], "Cannot read the memory size '-5GiB'"),
     ("plan", ["--max-length", "100000000"], "--max-length 100000000 is longer than tiny allows \\(256 positions\\)"),
@@ -474,6 +484,7 @@ def _hostile_folder(tmp: Path) -> None:
     (tmp / "string.jsonl").write_text('"just a string"\n', encoding="utf-8")
     (tmp / "folder.jsonl").mkdir()
     write_rows(tmp / "one_row.jsonl", rows(1))
+    write_rows(tmp / "no_rejected.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "p", "chosen": "a"}])
     (tmp / "a_file").write_text("", encoding="utf-8")
     (tmp / "compared").mkdir()
     (tmp / "compared" / "comparison.md").write_text("an earlier comparison\n", encoding="utf-8")
@@ -497,7 +508,7 @@ def test_every_command_refuses_hostile_input_in_one_sentence_and_writes_nothing(
     before = _snapshot(tmp_path)
     argv = [a.replace("{run}", str(tmp_path / "run")).replace("{tmp}", str(tmp_path)) for a in args]
     with pytest.raises(SystemExit) as e:
-        if command in ("lora", "ddp", "sharding"):  # a workflow's own command line
+        if command in ("lora", "ddp", "sharding", "dpo", "grpo"):  # a workflow's own command line
             import_module(f"my_utils.workflows.{command}").main(argv)
         else:
             my_utils.__main__.main([command, *argv])

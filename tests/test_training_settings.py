@@ -34,7 +34,7 @@ def four(config) -> tuple[str, ...]:
 
 
 # Where the batch is one process's share (the data split over processes) and where it is the whole batch.
-LOCAL = {"ddp", "lora", "sharded_lora", "sharding", "traps", "classification", "accelerate_steps.common"}
+LOCAL = {"ddp", "lora", "dpo", "grpo", "sharded_lora", "sharding", "traps", "classification", "accelerate_steps.common"}
 GLOBAL = {"data_parallel", "pipeline_parallel", "tensor_parallel"}
 
 

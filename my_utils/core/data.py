@@ -18,6 +18,7 @@ TINY_DATA = ASSETS / "tiny" / "data"
 
 INSTRUCTION_COLUMNS = ("instruction", "input", "output")
 CLASSIFICATION_COLUMNS = ("text", "label")
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")  # trl's names for a preference pair
 # The longest line a data file may hold: a row is a prompt and a response, far shorter; a longer line is refused
 # before it is parsed, or tokenizing it would take minutes
 MAX_LINE_CHARS = 1_000_000
@@ -28,7 +29,10 @@ PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 def format_prompt(row: dict) -> str:
-    """The prompt for one Alpaca-style row, ending where the model's response starts."""
+    """The prompt for one Alpaca-style row, ending where the model's response starts; a row that carries its prompt
+    already (a preference pair's, a GRPO prompt's) gives it as it is."""
+    if "prompt" in row:
+        return row["prompt"]
     if row.get("input"):
         return PROMPT_WITH_INPUT.format(instruction=row["instruction"], input=row["input"])
     return PROMPT_NO_INPUT.format(instruction=row["instruction"])
@@ -113,16 +117,21 @@ def _hub_rows(dataset_id: str, renames: dict, columns: tuple[str, ...], eval_row
     return [dict(r) for r in split["train"]], [dict(r) for r in split["test"]]
 
 
+def _split_file(path: str, columns: tuple[str, ...], eval_rows: int) -> tuple[list[dict], list[dict]]:
+    """(train, held out) of the JSON-lines file ``path``: its first rows (a tenth, at most ``eval_rows``) held out."""
+    rows = read_jsonl(path, columns)
+    if len(rows) < 2:
+        raise UserError(f"Data file {path} has 1 row; it needs at least 2, one held out for evaluation and the rest "
+                        "to train on.")
+    cut = max(1, min(eval_rows, len(rows) // 10))
+    return rows[cut:], rows[:cut]
+
+
 def load_instructions(source: str, *, eval_rows: int = 200, seed: int = 0, path: str | None = None):
     """(train_rows, eval_rows) of Alpaca-style data: 'tiny' (shipped), 'alpaca' or 'codealpaca' (hub),
     or a JSON-lines file given by ``path``."""
     if path is not None:
-        rows = read_jsonl(path, INSTRUCTION_COLUMNS)
-        if len(rows) < 2:
-            raise UserError(f"Data file {path} has 1 row; it needs at least 2, one held out for evaluation and the "
-                            "rest to train on.")
-        cut = max(1, min(eval_rows, len(rows) // 10))
-        return rows[cut:], rows[:cut]
+        return _split_file(path, INSTRUCTION_COLUMNS, eval_rows)
     if source == "tiny":
         return (
             read_jsonl(TINY_DATA / "instructions_train.jsonl", INSTRUCTION_COLUMNS),
@@ -131,6 +140,23 @@ def load_instructions(source: str, *, eval_rows: int = 200, seed: int = 0, path:
     if source not in HUB_INSTRUCTIONS:
         raise UserError(f"Unknown instruction data {source!r}; choose tiny, {', '.join(HUB_INSTRUCTIONS)}.")
     return _hub_rows(*HUB_INSTRUCTIONS[source], INSTRUCTION_COLUMNS, eval_rows, seed)
+
+
+def load_preferences(source: str | None, *, eval_rows: int = 100, path: str | None = None):
+    """(train_pairs, held_out_pairs) of preference pairs (``PREFERENCE_COLUMNS``, text): the tiny preset's, built by
+    ``scripts/make_tiny_data.py`` from its instruction rows (the answer chosen, a corruption of it rejected), or a
+    JSON-lines file given by ``path``, whose first rows (a tenth, at most ``eval_rows``) are held out."""
+    if path is not None:
+        train, held_out = _split_file(path, PREFERENCE_COLUMNS, eval_rows)
+    elif source == "tiny":
+        train = read_jsonl(TINY_DATA / "preferences_train.jsonl", PREFERENCE_COLUMNS)
+        held_out = read_jsonl(TINY_DATA / "preferences_eval.jsonl", PREFERENCE_COLUMNS)[:eval_rows]
+    else:
+        raise UserError(f"The {source} data has no preference pairs shipped; give --data-file with one JSON object "
+                        f"per line holding {', '.join(PREFERENCE_COLUMNS)} (assets/tiny/data/preferences_train.jsonl "
+                        "shows the format).")
+    check_text_columns(train + held_out, PREFERENCE_COLUMNS, path or f"the {source} preference pairs")
+    return train, held_out
 
 
 def load_classification(source: str, *, eval_rows: int = 300, seed: int = 0):

@@ -282,13 +282,13 @@ def train(cfg: Config) -> dict:
         print0(f"trainable parameters: {params['trainable']:,} of {params['total']:,} "
                f"({100 * params['trainable_fraction']:.2f}%); learning rate {learning_rate:g}")
 
-        before = _generation_eval(cfg, model.to(device), tokenizer, eval_rows)
+        before = generation_eval(cfg, model.to(device), tokenizer, eval_rows)
         # Wraps the collator: counts tokens, and prints (with the rank prefix) and keeps each rank's first batch.
         collator = (packed_collator if cfg.packing else padding_collator)(tokenizer)
         counter = TokenCounter(collator, tokenizer=tokenizer, preview_batches=1)
         memory_cb, metrics_cb = make_callbacks(life.run, device)
         reliability = reliability_callbacks(world_size)  # checkpoint manifests, SIGTERM stop, fault injection
-        callbacks = [_stop_if_already_trained(), memory_cb, metrics_cb, _count_from_train_begin(counter, life.run),
+        callbacks = [stop_if_already_trained(), memory_cb, metrics_cb, _count_from_train_begin(counter, life.run),
                      *reliability.values()]
         Trainer = course_trainer_class()  # transformers' Trainer, resuming length-grouped batches exactly
         trainer = Trainer(model=model, args=training_arguments(cfg, life.folder, learning_rate),
@@ -297,7 +297,7 @@ def train(cfg: Config) -> dict:
         # The base model's losses, held out and on pretraining-style rows; a resumed run recorded them at its start.
         before_losses = {} if life.checkpoint else {key: _loss_on(model, inputs[key], tokenizer, cfg)
                                                     for key in ("eval_set", "forgetting_set")}
-        result, runtime = _fit(trainer, life.checkpoint, reliability["stop"])
+        result, runtime = fit(trainer, life.checkpoint, reliability["stop"])
         measured = {
             "chunked_loss": chunked_loss, "compiled_graphs": compiled_graphs() if cfg.compile else None, "runtime": runtime, "params": params, "learning_rate": learning_rate,
             "memory": memory_cb.report,
@@ -307,11 +307,11 @@ def train(cfg: Config) -> dict:
             "eval_loss": _loss_on(trainer.model, inputs["eval_set"], tokenizer, cfg),
             "forgetting_loss_before": before_losses.get("forgetting_set"),
             "forgetting_loss_after": _loss_on(trainer.model, inputs["forgetting_set"], tokenizer, cfg),
-            "after": _generation_eval(cfg, trainer.model, tokenizer, eval_rows),
+            "after": generation_eval(cfg, trainer.model, tokenizer, eval_rows),
         }
         summary = None
         if life.is_main:
-            adapter_bytes = _save_adapter(trainer.model, life.folder) if cfg.method == "lora" else None
+            adapter_bytes = save_adapter(trainer.model, life.folder) if cfg.method == "lora" else None
             summary = build_summary(cfg, world_size, trainer, result, life.checkpoint, measured, adapter_bytes)
             if adapter_bytes is not None:
                 complete_adapter_folder(life.folder / "adapter", tokenizer, life.run.info, summary)
@@ -369,7 +369,7 @@ class _AlreadyTrained(Exception):
     """Raised as training begins when the checkpoint resumed from is the run's last step."""
 
 
-def _stop_if_already_trained():
+def stop_if_already_trained():
     """A callback that ends ``train()`` before its first step when the resumed checkpoint is the last step (a run
     preempted in its final evaluation): weights, optimizer and log are loaded by then, and the Trainer would
     otherwise take one step past max_steps before it looks."""
@@ -383,7 +383,7 @@ def _stop_if_already_trained():
     return StopIfAlreadyTrained()
 
 
-def _fit(trainer, checkpoint, stop):
+def fit(trainer, checkpoint, stop):
     """``trainer.train()`` (from ``checkpoint`` when resuming; nothing left to train when it is the last step); a
     SIGTERM stop (with its checkpoint) becomes KeyboardInterrupt, a SIGUSR1 one
     Preempted. Returns the result and the seconds it took."""
@@ -409,7 +409,7 @@ def _fit(trainer, checkpoint, stop):
     return result, time.perf_counter() - started
 
 
-def _save_adapter(model, folder: Path) -> int:
+def save_adapter(model, folder: Path) -> int:
     """Save the adapter (safetensors) in ``folder``/adapter; returns the size of its weights file in bytes. A write
     the file system refuses (a full disk) is its one sentence (UserError), which the run records as it fails."""
     try:
@@ -513,7 +513,7 @@ def _count_from_train_begin(counter, run):
     return CountFromTrainBegin()
 
 
-def _generation_eval(cfg, model, tokenizer, rows):
+def generation_eval(cfg, model, tokenizer, rows):
     """Exact match and similarity of greedy answers, on rank 0 (the other ranks wait); None when skipped."""
     from accelerate import PartialState
 
