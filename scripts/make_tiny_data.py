@@ -10,10 +10,10 @@ Instruction rows are ``{"instruction", "input", "output", "family"}``. The task 
   ``instructions_eval.jsonl``, the data of the fine-tuning lessons: the pretrained model has never seen these
   tasks, so exact match starts near zero and fine-tuning visibly teaches them. No eval input occurs in train.
 
-Preference pairs (``preferences_train.jsonl``, ``preferences_eval.jsonl``, for DPO) are built from the held-out
-instruction rows: ``{"prompt", "chosen", "rejected", "corruption", "family"}``, the prompt as the course formats it,
-the reference answer chosen, and a corrupted one rejected, with the corruption said: a count off by one, or a lambda
-whose body uses a name it does not take, or another input's answer.
+Preference pairs (``preferences_train.jsonl``, ``preferences_eval.jsonl``, for DPO) are built from the instruction
+rows, one per row of the same split: ``{"prompt", "chosen", "rejected", "corruption", "family"}``, the prompt as the
+course formats it, the reference answer chosen, and a corrupted one rejected, with the corruption said: a count off by
+one, or a lambda whose body uses a name it does not take, or another input's answer.
 
 The classification set is ``{"text", "label"}``: short sentences about one of four topics (label names in
 ``classification_labels.json``). Some sentences carry a word from another topic and a few labels are flipped,

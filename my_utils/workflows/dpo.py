@@ -63,7 +63,7 @@ class Config(post_training.PostTrainingSettings):
 
 def validate(cfg: Config):
     """Check the settings before anything starts (nothing heavy imported, nothing written); returns the preset."""
-    preset = post_training.check_settings(cfg, "dpo", resolve)
+    preset = post_training.check_settings(cfg, "dpo")
     check_positive("--beta", cfg.beta, float)
     check_choice("reference", cfg.reference, REFERENCES)
     return preset

@@ -69,7 +69,7 @@ class Config(post_training.PostTrainingSettings):
 def validate(cfg: Config):
     """Check the settings before anything starts (nothing heavy imported, nothing written, no process group);
     returns the preset."""
-    preset = post_training.check_settings(cfg, "grpo", resolve)
+    preset = post_training.check_settings(cfg, "grpo")
     reward_function(cfg.reward)
     for name in ("num_generations", "max_completion_length"):
         check_positive(f"--{name.replace('_', '-')}", getattr(cfg, name))

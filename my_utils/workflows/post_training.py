@@ -11,6 +11,7 @@ from pathlib import Path
 from my_utils import UserError
 from my_utils.core.adapters import AdapterSpec
 from my_utils.core.memory import peak_bytes
+from my_utils.run.checkpoints import checkpoint_step
 from my_utils.run.config import LocalBatchSettings, check_choice, check_positive, setting
 from my_utils.run.launch import OUTPUT_LOGGED, check_process_count, is_cpu_only
 from my_utils.run.lifecycle import check_resumable, process_group_backend
@@ -45,9 +46,9 @@ class PostTrainingSettings(LocalBatchSettings):
     resume: bool = setting(False, "continue --output-dir from its newest whole checkpoint, with the same settings")
 
 
-def check_settings(cfg: PostTrainingSettings, workflow: str, resolve):
-    """The shared checks, before anything starts (nothing heavy imported, nothing written); returns the preset.
-    ``resolve``: the workflow's, which a resumed run's settings are compared after."""
+def check_settings(cfg: PostTrainingSettings, workflow: str):
+    """The shared checks, before anything starts (nothing heavy imported, nothing written); returns the preset. A
+    resumed run's settings are compared once resolved (``resolve``), as run.json records them."""
     preset = cfg.check_common()
     preset.require("causal")
     cfg.adapter.check()
@@ -110,7 +111,7 @@ def summary_fields(cfg: PostTrainingSettings, world_size: int, result, checkpoin
     second: what a batch counts), quality before and after (``quality``: {"before": ..., "after": ...} from
     ``lora.generation_eval``), sizes and memory."""
     steps = result.global_step
-    start_step = int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint else 0
+    start_step = checkpoint_step(checkpoint) if checkpoint else 0  # its name: the Trainer may have deleted it since
     trained = steps > start_step
     before, after = quality["before"] or {}, quality["after"] or {}
     return {
